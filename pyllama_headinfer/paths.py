@@ -1,0 +1,65 @@
+"""Where things live: the cache, the source checkout, the patch series.
+
+Nothing here creates directories; callers create what they write into.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+CACHE_ENV = "PYLLAMA_HEADINFER_CACHE"
+PATCHES_ENV = "PYLLAMA_HEADINFER_PATCHES"
+
+
+def cache_dir() -> Path:
+    """Root of everything we download or generate outside the project.
+
+    ``$PYLLAMA_HEADINFER_CACHE``, else ``$XDG_CACHE_HOME/pyllama-headinfer``,
+    else ``~/.cache/pyllama-headinfer``. Read at every call so tests (and
+    users) can redirect it with the environment.
+    """
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return (base / "pyllama-headinfer").resolve()
+
+
+def project_root() -> Optional[Path]:
+    """The source checkout this package runs from, or None for a wheel install.
+
+    A checkout is recognised by a ``pyproject.toml`` naming this project and a
+    ``patches/`` directory next to the package directory. In a wheel the
+    package sits in site-packages, where neither exists.
+    """
+    candidate = PACKAGE_DIR.parent
+    pyproject = candidate / "pyproject.toml"
+    if not pyproject.is_file() or not (candidate / "patches").is_dir():
+        return None
+    try:
+        text = pyproject.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return candidate if 'name = "pyllama-headinfer"' in text else None
+
+
+def patches_dir() -> Path:
+    """The directory holding ``series`` and the patch files.
+
+    ``$PYLLAMA_HEADINFER_PATCHES`` when set (for maintainers trying a series
+    elsewhere), else the checkout's ``patches/``, else the copy a wheel carries
+    as ``pyllama_headinfer/_patches`` (pyproject force-includes it). The path
+    may not exist: an absent directory means an empty series.
+    """
+    explicit = os.environ.get(PATCHES_ENV)
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    root = project_root()
+    if root is not None:
+        return root / "patches"
+    return PACKAGE_DIR / "_patches"
