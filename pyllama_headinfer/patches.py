@@ -595,12 +595,11 @@ def _check_one(work: Workspace, patch: Patch) -> PatchCheck:
 def check(tree: PathLike, patches_dir: Optional[PathLike] = None) -> CheckReport:
     """Whether each patch applies to the tree, per hunk for those that fail. Read-only."""
     root = _tree_root(tree)
-    series = load_series(patches_dir)
-    state = status(root, patches_dir)
-    if state.state in (State.APPLIED, State.PARTIAL):
-        done = state.applied
-    else:
-        done = 0
+    return _check(root, load_series(patches_dir), status(root, patches_dir))
+
+
+def _check(root: Path, series: Series, state: StatusReport) -> CheckReport:
+    done = state.applied if state.state in (State.APPLIED, State.PARTIAL) else 0
     results = [PatchCheck(p.name, Outcome.ALREADY_APPLIED) for p in series.patches[:done]]
     with Workspace(series.touched) as work:
         work.load(root)
@@ -703,12 +702,15 @@ def apply(tree: PathLike, patches_dir: Optional[PathLike] = None) -> ChangeResul
     if before.state == State.PARTIAL:
         raise PatchError(f"refusing to patch {root}: {before.describe()}")
     if before.state == State.MODIFIED:
-        raise PatchError(f"refusing to patch {root}: {before.describe()}. To recover, {REFETCH_RECIPE}")
+        report = _check(root, series, before)
+        raise PatchError(
+            f"refusing to patch {root}: {before.describe()}\n{report.describe()}\nTo recover, {REFETCH_RECIPE}"
+        )
     with Workspace(series.touched) as work:
         work.load(root)
         result = work.apply(series.patches)
         if result.returncode != 0:
-            report = check(root, patches_dir)
+            report = _check(root, series, before)
             raise PatchError(f"the series does not apply to {root}; nothing changed:\n{report.describe()}")
 
         def applied_everything() -> Optional[str]:

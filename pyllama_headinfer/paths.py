@@ -33,13 +33,14 @@ def cache_dir() -> Path:
 def project_root() -> Optional[Path]:
     """The source checkout this package runs from, or None for a wheel install.
 
-    A checkout is recognised by a ``pyproject.toml`` naming this project and a
-    ``patches/`` directory next to the package directory. In a wheel the
-    package sits in site-packages, where neither exists.
+    A checkout is recognised by a ``pyproject.toml`` naming this project next
+    to the package directory (``patches/`` may be absent: git does not keep an
+    empty directory). In a wheel the package sits in site-packages, which has
+    no such file.
     """
     candidate = PACKAGE_DIR.parent
     pyproject = candidate / "pyproject.toml"
-    if not pyproject.is_file() or not (candidate / "patches").is_dir():
+    if not pyproject.is_file():
         return None
     try:
         text = pyproject.read_text(encoding="utf-8")

@@ -374,13 +374,13 @@ def extract_subtree(archive: PathLike, destination: PathLike, subdir: str = "") 
                 if member.type in (tarfile.XGLTYPE, tarfile.XHDTYPE):
                     continue
                 top, rest = _strip_top(member.name.rstrip("/"))
+                _check_member(member, rest)
                 if top_dir is None:
                     top_dir = top
                 elif top != top_dir:
                     raise SourceError(
                         f"unexpected archive layout: {member.name!r} is not under {top_dir!r}/"
                     )
-                _check_member(member, rest)
                 if not rest.startswith(prefix) or rest == prefix.rstrip("/"):
                     continue
                 relative = rest[len(prefix):]
@@ -507,12 +507,15 @@ def _fetch_one(fetcher: _Fetcher, downloads: Path, final: Path) -> Path:
         tree = staging / final.name
         tree.mkdir()
         log.info("extracting %s", archive.name)
-        extract_subtree(archive, tree, subdir)
-        diff = verify_tree(tree)
-        if not diff.ok:
-            # a corrupt or wrong archive must not satisfy the next attempt
+        try:
+            extract_subtree(archive, tree, subdir)
+            diff = verify_tree(tree)
+            if not diff.ok:
+                raise SourceError(f"the extracted tree is not the pin ({diff.describe()})")
+        except SourceError as exc:
+            # a corrupt, unsafe or wrong archive must not satisfy the next attempt
             archive.unlink(missing_ok=True)
-            raise SourceError(f"the extracted tree is not the pin ({diff.describe()}); archive deleted")
+            raise SourceError(f"{exc}; deleted {archive.name}") from exc
         return _install_tree(tree, final)
     finally:
         forget_stat_cache(staging / final.name)

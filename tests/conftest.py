@@ -1,0 +1,248 @@
+"""Shared fixtures.
+
+* Every test gets its own empty cache directory (``$PYLLAMA_HEADINFER_CACHE``),
+  so nothing a test does reaches the user's cache.
+* ``pinned_source`` is the real pinned llama.cpp, obtained once per session
+  through :func:`source.ensure_source` with the *real* cache (so it is fetched
+  once, normally from the PyPI sdist, and reused by later runs).
+* ``fake_pin`` swaps the pin for a tiny git repository with a two-patch
+  series, for fast unit tests of the source and patch managers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Tuple, Union
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout that is not installed
+    sys.path.insert(0, str(ROOT))
+
+from pyllama_headinfer import paths, pin, source  # noqa: E402
+from pyllama_headinfer.pin import PinnedFile  # noqa: E402
+
+# Captured before any test redirects the environment.
+REAL_CACHE = paths.cache_dir()
+REAL_LLAMA_SRC = os.environ.get(source.LLAMA_SRC_ENV)
+# A local copy of the llama-cpp-python sdist saves the pip download in tests.
+TEST_SDIST_ENV = "PYLLAMA_HEADINFER_TEST_SDIST"
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch) -> Path:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(paths.CACHE_ENV, str(cache))
+    for variable in (source.LLAMA_SRC_ENV, source.ARCHIVE_URL_ENV, paths.PATCHES_ENV):
+        monkeypatch.delenv(variable, raising=False)
+    return cache
+
+
+# --------------------------------------------------------------------------
+# the real pin
+
+
+@pytest.fixture(scope="session")
+def pinned_source(tmp_path_factory) -> Path:
+    """A verified, pristine tree of the pinned commit (fetched once, cached)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(paths.CACHE_ENV, str(REAL_CACHE))
+        if REAL_LLAMA_SRC:
+            mp.setenv(source.LLAMA_SRC_ENV, REAL_LLAMA_SRC)
+        tree = source.ensure_source()
+        if not source.verify_tree(tree).ok:
+            # acceptable but patched: the tests want the pristine pin
+            from pyllama_headinfer import patches
+
+            tree = copy_tree(tree, tmp_path_factory.mktemp("pristine") / pin.SOURCE_DIRNAME)
+            patches.revert(tree)
+    return tree
+
+
+@pytest.fixture
+def pinned_copy(pinned_source, tmp_path) -> Path:
+    """A private copy of the pinned tree, for tests that modify it."""
+    return copy_tree(pinned_source, tmp_path / pin.SOURCE_DIRNAME)
+
+
+@pytest.fixture(scope="session")
+def pinned_sdist() -> Path:
+    """The real llama-cpp-python sdist: $PYLLAMA_HEADINFER_TEST_SDIST, the real cache, or pip."""
+    explicit = os.environ.get(TEST_SDIST_ENV)
+    if explicit:
+        return Path(explicit)
+    downloads = REAL_CACHE / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    archive, _ = source._download_sdist(downloads)
+    return archive
+
+
+def copy_tree(tree: Path, destination: Path) -> Path:
+    shutil.copytree(tree, destination, symlinks=True, ignore=_top_level_git(tree))
+    return destination
+
+
+def _top_level_git(tree: Path):
+    def ignore(directory, names):
+        return [".git"] if Path(directory) == tree else []
+
+    return ignore
+
+
+# --------------------------------------------------------------------------
+# helpers
+
+
+Snapshot = Dict[str, Union[str, Tuple[int, str]]]
+
+
+def snapshot(tree: Path) -> Snapshot:
+    """Every directory and file (mode bits and a digest of the bytes) under a tree."""
+    result: Snapshot = {}
+    for directory, dirnames, filenames in os.walk(tree):
+        relative_dir = Path(directory).relative_to(tree)
+        for name in dirnames:
+            result[str(relative_dir / name)] = "dir"
+        for name in filenames:
+            path = Path(directory) / name
+            content = os.readlink(path).encode() if path.is_symlink() else path.read_bytes()
+            result[str(relative_dir / name)] = (stat.S_IMODE(path.lstat().st_mode), hashlib.sha256(content).hexdigest())
+    return result
+
+
+GIT_IDENTITY = [
+    "-c", "user.name=Test", "-c", "user.email=test@example.com",
+    "-c", "commit.gpgsign=false", "-c", "init.defaultBranch=main",
+]
+
+
+def git(repo: Path, *args: str, input: bytes = None) -> bytes:
+    env = dict(os.environ, GIT_AUTHOR_DATE="2024-01-01T00:00:00Z", GIT_COMMITTER_DATE="2024-01-01T00:00:00Z",
+               GIT_CEILING_DIRECTORIES=str(repo.parent))
+    return subprocess.run(["git", *GIT_IDENTITY, *args], cwd=repo, env=env, input=input,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=True).stdout
+
+
+def git_listing(repo: Path, commit: str) -> Dict[str, PinnedFile]:
+    listing = {}
+    for line in git(repo, "ls-tree", "-r", commit).decode().splitlines():
+        meta, path = line.split("\t", 1)
+        mode, _kind, blob = meta.split(" ")
+        listing[path] = PinnedFile(mode, blob)
+    return listing
+
+
+def extract_commit(repo: Path, commit: str, destination: Path) -> Path:
+    """The files of a commit as a plain tree (like an extracted archive)."""
+    destination.mkdir(parents=True)
+    data = git(repo, "archive", "--format=tar", commit)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(destination, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    return destination
+
+
+# --------------------------------------------------------------------------
+# a fake pin: tiny repository, two patches
+
+
+def _core_lines(changes: Dict[int, str] = {}) -> str:
+    lines = [f"int core_{n:02d} = {n};" for n in range(1, 31)]
+    lines[14] = "-- legacy comment"  # removing it yields a body line starting with '---'
+    for number, text in changes.items():
+        lines[number - 1] = text
+    return "\n".join(line for line in lines if line is not None) + "\n"
+
+
+BASE_FILES = {
+    "README.md": "# fake llama\n\nA tiny tree for tests.\n",
+    "src/core.c": _core_lines(),
+    "src/util.c": "".join(f"int util_{n} = {n};\n" for n in range(20)),
+    "tools/run.sh": "#!/bin/sh\necho run\n",
+    "docs/old.txt": "obsolete\n",
+}
+PATCH1 = {  # "core: split heads"
+    "src/core.c": _core_lines({3: "int core_03 = 300; /* split */", 15: None, 26: "int core_26 = 2600; /* split */"}),
+    "src/headinfer.c": "#include \"hi/headinfer.h\"\nint headinfer = 1;\n",
+    "include/hi/headinfer.h": "int headinfer;\n",
+}
+PATCH2 = {  # "docs: describe"
+    "src/core.c": _core_lines({3: "int core_03 = 300; /* split */", 9: "int core_09 = 900;", 15: None,
+                               26: "int core_26 = 2600; /* split */"}),
+    "README.md": BASE_FILES["README.md"] + "Now with HeadInfer.\n",
+    "docs/old.txt": None,
+}
+
+
+@dataclass
+class FakePin:
+    repo: Path  # git repository: base commit, then one commit per patch
+    tree: Path  # the base commit as a plain tree, for tests to copy
+    patches: Path  # series directory made by git format-patch
+    base: str
+    listing: Dict[str, PinnedFile]
+    tree_id: str
+
+    def fresh_tree(self, destination: Path) -> Path:
+        shutil.copytree(self.tree, destination, symlinks=True)
+        return destination
+
+    def applied_listing(self) -> Dict[str, PinnedFile]:
+        return git_listing(self.repo, "HEAD")
+
+
+def _write(repo: Path, files: Dict[str, str]) -> None:
+    for relative, text in files.items():
+        path = repo / relative
+        if text is None:
+            path.unlink()
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        if relative.endswith(".sh"):
+            path.chmod(0o755)
+
+
+def _build_fake_pin(root: Path) -> FakePin:
+    repo = root / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    _write(repo, BASE_FILES)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "base")
+    base = git(repo, "rev-parse", "HEAD").decode().strip()
+    for message, files in (("core: split heads", PATCH1), ("docs: describe", PATCH2)):
+        _write(repo, files)
+        git(repo, "add", "-A")
+        git(repo, "commit", "-qm", message)
+    patches = root / "patches"
+    git(repo, "format-patch", "-q", "--zero-commit", "--no-signature", "--no-stat", "-N", "-o", str(patches), f"{base}..HEAD")
+    names = sorted(p.name for p in patches.iterdir())
+    (patches / "series").write_text("# fake series\n" + "".join(f"{n}\n" for n in names))
+    tree_id = git(repo, "rev-parse", f"{base}^{{tree}}").decode().strip()
+    tree = extract_commit(repo, base, root / "pristine")
+    return FakePin(repo, tree, patches, base, git_listing(repo, base), tree_id)
+
+
+@pytest.fixture(scope="session")
+def fake_pin_template(tmp_path_factory) -> FakePin:
+    return _build_fake_pin(tmp_path_factory.mktemp("fakepin"))
+
+
+@pytest.fixture
+def fake_pin(fake_pin_template, monkeypatch) -> FakePin:
+    """Make the tiny repository's base commit the pin, for this test."""
+    monkeypatch.setattr(pin, "pinned_files", lambda: fake_pin_template.listing)
+    monkeypatch.setattr(pin, "pinned_tree_id", lambda: fake_pin_template.tree_id)
+    monkeypatch.setattr(pin, "LLAMA_CPP_COMMIT", fake_pin_template.base)
+    monkeypatch.setenv(paths.PATCHES_ENV, str(fake_pin_template.patches))
+    return fake_pin_template

@@ -1,0 +1,363 @@
+"""The source manager: hashing, verification, the stat cache, fetching and safe extraction."""
+
+from __future__ import annotations
+
+import http.server
+import io
+import logging
+import os
+import socket
+import subprocess
+import tarfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from conftest import git, snapshot
+from pyllama_headinfer import patches, paths, pin, source
+from pyllama_headinfer.errors import SourceError
+
+
+# --------------------------------------------------------------------------
+# fixtures: a local stand-in for GitHub, and a port nobody listens on
+
+
+@dataclass
+class Server:
+    url: str
+    root: Path
+    requests: List[str] = field(default_factory=list)
+
+
+@pytest.fixture
+def http_server(tmp_path):
+    root = tmp_path / "www"
+    root.mkdir()
+    seen: List[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(root), **kwargs)
+
+        def do_GET(self):
+            seen.append(self.path)
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield Server(f"http://127.0.0.1:{server.server_address[1]}", root, seen)
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def dead_url() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"http://127.0.0.1:{port}/llama.cpp.tar.gz"
+
+
+@pytest.fixture
+def no_pypi(monkeypatch):
+    """Fake-pin tests must never reach the real sdist step."""
+    def refuse(downloads):
+        raise SourceError("PyPI disabled in this test")
+
+    monkeypatch.setattr(source, "_download_sdist", refuse)
+
+
+def github_like_archive(repo: Path, commit: str, destination: Path) -> Path:
+    """What GitHub serves: `git archive --prefix=llama.cpp-<commit>/ <commit> | gzip`."""
+    data = git(repo, "archive", "--format=tar", f"--prefix=llama.cpp-{commit}/", commit)
+    import gzip
+
+    destination.write_bytes(gzip.compress(data, compresslevel=1))
+    return destination
+
+
+# --------------------------------------------------------------------------
+# hashing
+
+
+def test_the_packaged_listing_is_the_pinned_commit():
+    source.check_pin_listing()
+    assert source.git_tree_id(pin.pinned_files()) == pin.pinned_tree_id()
+    assert len(pin.pinned_files()) == 3665
+
+
+def test_tree_and_blob_ids_match_git(fake_pin):
+    assert source.git_tree_id(fake_pin.listing) == fake_pin.tree_id
+    assert source.git_tree_id(fake_pin.applied_listing()) == git(fake_pin.repo, "rev-parse", "HEAD^{tree}").decode().strip()
+    readme = fake_pin.tree / "README.md"
+    assert source.hash_file(readme) == git(fake_pin.repo, "hash-object", str(readme)).decode().strip()
+    assert source.scan_tree(fake_pin.tree) == fake_pin.listing
+
+
+def test_tree_id_sorts_like_git(tmp_path):
+    # "a.b" < "a/" < "a0": a subtree sorts as if its name ended in "/"
+    repo = tmp_path / "r"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    for name in ("a.b", "a/x", "a0", "a-", "b/c/d"):
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(name)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "x")
+    from conftest import git_listing
+
+    assert source.git_tree_id(git_listing(repo, "HEAD")) == git(repo, "rev-parse", "HEAD^{tree}").decode().strip()
+
+
+# --------------------------------------------------------------------------
+# verification
+
+
+def test_verify_reports_missing_extra_and_differing(fake_pin, tmp_path):
+    tree = fake_pin.fresh_tree(tmp_path / "t")
+    assert source.verify_tree(tree).ok
+    (tree / "src/util.c").write_text("changed\n")
+    (tree / "docs/old.txt").unlink()
+    (tree / "new.txt").write_text("new\n")
+    (tree / "tools/run.sh").chmod(0o644)
+    (tree / ".git").mkdir()  # a top-level repository is not content
+    (tree / ".git/HEAD").write_text("ref: refs/heads/main\n")
+    diff = source.verify_tree(tree)
+    assert diff.differing == ("src/util.c", "tools/run.sh")
+    assert diff.missing == ("docs/old.txt",)
+    assert diff.extra == ("new.txt",)
+    assert "src/util.c" in diff.describe() and "new.txt" in diff.describe()
+
+
+def test_stat_cache_skips_rehashing_but_sees_changes(fake_pin, tmp_path, monkeypatch):
+    tree = fake_pin.fresh_tree(tmp_path / "t")
+    before = snapshot(tree)
+    hashed = []
+    real_hash = source.hash_file
+    monkeypatch.setattr(source, "hash_file", lambda path, size=None: hashed.append(path) or real_hash(path, size))
+
+    source.scan_tree(tree)
+    assert len(hashed) == len(fake_pin.listing)
+    hashed.clear()
+    source.scan_tree(tree)
+    assert hashed == []  # untouched tree: nothing read
+    assert snapshot(tree) == before  # the cache lives outside the tree
+    assert list((paths.cache_dir() / "statcache").glob("*.json"))
+
+    # same size, same mtime, different bytes: the ctime still gives it away
+    util = tree / "src/util.c"
+    info = util.stat()
+    util.write_bytes(util.read_bytes().replace(b"1", b"7", 1))
+    os.utime(util, ns=(info.st_atime_ns, info.st_mtime_ns))
+    assert source.verify_tree(tree).differing == ("src/util.c",)
+
+    # a file changed just now is never trusted from the cache
+    hashed.clear()
+    (tree / "README.md").write_text("fresh\n")
+    source.scan_tree(tree)
+    source.scan_tree(tree)
+    assert [Path(p).name for p in hashed].count("README.md") == 2
+
+
+def test_reverifying_the_real_tree_reads_nothing(pinned_source, monkeypatch):
+    assert source.verify_tree(pinned_source).ok  # fills this test's stat cache
+    hashed = []
+    real_hash = source.hash_file
+    monkeypatch.setattr(source, "hash_file", lambda path, size=None: hashed.append(path) or real_hash(path, size))
+    started = time.monotonic()
+    assert source.verify_tree(pinned_source).ok
+    elapsed = time.monotonic() - started
+    assert hashed == []
+    assert elapsed < 2.0, f"re-verifying took {elapsed:.2f}s"
+
+
+# --------------------------------------------------------------------------
+# ensure_source: existing trees
+
+
+def test_explicit_tree_at_the_wrong_commit_is_refused(fake_pin, tmp_path, caplog):
+    tree = fake_pin.fresh_tree(tmp_path / "t")
+    assert source.ensure_source(tree) == tree.resolve()
+    (tree / "src/util.c").write_text("int util = 'other commit';\n")
+    with pytest.raises(SourceError) as refused:
+        source.ensure_source(tree)
+    message = str(refused.value)
+    assert "src/util.c" in message and "--allow-unverified" in message
+    with caplog.at_level(logging.WARNING, logger="pyllama_headinfer"):
+        assert source.ensure_source(tree, allow_unverified=True) == tree.resolve()
+    assert "although" in caplog.text
+
+
+def test_explicit_tree_from_the_environment(fake_pin, tmp_path, monkeypatch):
+    tree = fake_pin.fresh_tree(tmp_path / "t")
+    monkeypatch.setenv(source.LLAMA_SRC_ENV, str(tree))
+    assert source.ensure_source() == tree.resolve()
+    assert source.locate_tree() == tree.resolve()
+
+
+def test_patched_cached_tree_is_reused(fake_pin, no_pypi):
+    cached = fake_pin.fresh_tree(source.cached_tree_path())
+    patches.apply(cached)  # the default series is the fake one (see fake_pin)
+    assert source.ensure_source() == cached
+    assert source.tree_acceptance(cached) == (True, "patch series applied")
+
+
+def test_modified_cached_tree_is_refused_with_a_recipe(fake_pin, no_pypi):
+    cached = fake_pin.fresh_tree(source.cached_tree_path())
+    (cached / "README.md").write_text("hand edit\n")
+    with pytest.raises(SourceError, match="source fetch --force"):
+        source.ensure_source()
+
+
+# --------------------------------------------------------------------------
+# ensure_source: fetching
+
+
+def test_fetch_from_a_github_style_archive(fake_pin, http_server, monkeypatch, no_pypi):
+    github_like_archive(fake_pin.repo, fake_pin.base, http_server.root / "archive.tar.gz")
+    monkeypatch.setenv(source.ARCHIVE_URL_ENV, f"{http_server.url}/archive.tar.gz")
+
+    tree = source.ensure_source()
+    assert tree == source.cached_tree_path()
+    assert source.verify_tree(tree).ok
+    assert http_server.requests == ["/archive.tar.gz"]
+    kept = source.downloads_dir() / f"llama.cpp-{fake_pin.base}.tar.gz"
+    assert kept.is_file()
+    assert [p.name for p in tree.parent.iterdir()] == [tree.name]  # no staging left behind
+
+    (tree / "README.md").write_text("hand edit\n")
+    again = source.fetch_source(force=True)  # replaces the edited tree from the kept archive
+    assert again == tree and source.verify_tree(tree).ok
+    assert http_server.requests == ["/archive.tar.gz"]
+
+
+def test_wrong_archive_is_rejected_and_deleted(fake_pin, http_server, monkeypatch, no_pypi):
+    other = git(fake_pin.repo, "rev-parse", "HEAD").decode().strip()
+    github_like_archive(fake_pin.repo, other, http_server.root / "archive.tar.gz")
+    monkeypatch.setenv(source.ARCHIVE_URL_ENV, f"{http_server.url}/archive.tar.gz")
+    with pytest.raises(SourceError) as failure:
+        source.ensure_source()
+    assert "not the pin" in str(failure.value)
+    assert not source.cached_tree_path().exists()
+    assert not list(source.downloads_dir().iterdir())
+
+
+def test_path_traversal_archive_is_refused(fake_pin, http_server, monkeypatch, no_pypi, tmp_path):
+    archive = http_server.root / "evil.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        _add(tar, f"llama.cpp-{fake_pin.base}/README.md", b"fine")
+        _add(tar, f"llama.cpp-{fake_pin.base}/../../escaped.txt", b"gotcha")
+    monkeypatch.setenv(source.ARCHIVE_URL_ENV, f"{http_server.url}/evil.tar.gz")
+    with pytest.raises(SourceError, match=r"unsafe archive member .*'\.\.'"):
+        source.ensure_source()
+    assert not list(tmp_path.rglob("escaped.txt"))
+    assert not source.cached_tree_path().exists()
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes = b"", **attributes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    for key, value in attributes.items():
+        setattr(info, key, value)
+    tar.addfile(info, io.BytesIO(data) if data else None)
+
+
+@pytest.mark.parametrize("evil", [
+    dict(name="top/../x"),
+    dict(name="/etc/x"),
+    dict(name="top/link", type=tarfile.SYMTYPE, linkname="../../outside"),
+    dict(name="top/abs-link", type=tarfile.SYMTYPE, linkname="/etc/passwd"),
+    dict(name="top/hard", type=tarfile.LNKTYPE, linkname="/etc/passwd"),
+    dict(name="top/dev", type=tarfile.CHRTYPE),
+    dict(name="top/fifo", type=tarfile.FIFOTYPE),
+])
+def test_unsafe_members_abort_extraction(tmp_path, evil):
+    archive = tmp_path / "a.tar"
+    with tarfile.open(archive, "w") as tar:
+        _add(tar, "top/ok.txt", b"ok")
+        name = evil.pop("name")
+        _add(tar, name, **evil)
+    destination = tmp_path / "out"
+    destination.mkdir()
+    with pytest.raises(SourceError, match="unsafe archive member"):
+        source.extract_subtree(archive, destination)
+    assert not (tmp_path / "x").exists() and not (destination / "link").exists()
+
+
+def test_extract_subtree_strips_the_prefix_and_the_gitfile(tmp_path):
+    archive = tmp_path / "sdist.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        _add(tar, "pkg-1.0/setup.py", b"x")
+        _add(tar, "pkg-1.0/vendor/lib/.git", b"gitdir: ../../.git/modules/vendor/lib\n")
+        _add(tar, "pkg-1.0/vendor/lib/src/a.c", b"a", mode=0o755)
+        _add(tar, "pkg-1.0/vendor/lib/link.c", type=tarfile.SYMTYPE, linkname="src/a.c")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert source.extract_subtree(archive, out, "vendor/lib") == 2
+    assert sorted(p.name for p in out.rglob("*")) == ["a.c", "link.c", "src"]
+    assert os.access(out / "src/a.c", os.X_OK) and os.readlink(out / "link.c") == "src/a.c"
+
+
+def test_every_source_failing_is_one_error_listing_them(dead_url, monkeypatch, tmp_path):
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    monkeypatch.setenv(source.ARCHIVE_URL_ENV, dead_url)
+    monkeypatch.setenv(source.PIP_ARGS_ENV, f"--no-index --find-links {empty}")
+    with pytest.raises(SourceError) as failure:
+        source.ensure_source()
+    message = str(failure.value)
+    assert "cached tree: none at" in message
+    assert f"GitHub archive {dead_url}" in message
+    assert f"PyPI sdist {pin.SDIST_NAME}=={pin.SDIST_VERSION}: pip download failed" in message
+    assert not source.cached_tree_path().exists()
+
+
+def test_fetch_from_the_real_sdist(pinned_sdist, dead_url, monkeypatch):
+    """Extraction and verification of the real sdist's vendor/llama.cpp (the download is cached)."""
+    downloads = source.downloads_dir()
+    downloads.mkdir(parents=True)
+    (downloads / pinned_sdist.name).symlink_to(pinned_sdist)
+    monkeypatch.setenv(source.ARCHIVE_URL_ENV, dead_url)
+    tree = source.ensure_source()
+    assert tree == source.cached_tree_path()
+    assert not (tree / ".git").exists()  # the sdist's dangling gitfile is dropped
+    assert source.verify_tree(tree).ok
+    assert (downloads / pinned_sdist.name).exists()
+
+
+def test_pip_download_command(monkeypatch, tmp_path):
+    monkeypatch.setenv(source.PIP_ARGS_ENV, "--index-url http://mirror/simple")
+    command = source.pip_download_command(tmp_path)
+    assert command[1:6] == ["-m", "pip", "download", "--no-deps", "--no-binary"]
+    assert command[-3:] == ["--index-url", "http://mirror/simple", "llama-cpp-python==0.3.36"]
+
+
+# --------------------------------------------------------------------------
+# paths
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path / "explicit"))
+    assert paths.cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv(paths.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert paths.cache_dir() == tmp_path / "xdg" / "pyllama-headinfer"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert paths.cache_dir() == tmp_path / "home" / ".cache" / "pyllama-headinfer"
+
+
+def test_project_paths(monkeypatch, tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    assert paths.project_root() == root
+    assert paths.patches_dir() == root / "patches"
+    monkeypatch.setenv(paths.PATCHES_ENV, str(tmp_path))
+    assert paths.patches_dir() == tmp_path
