@@ -718,7 +718,7 @@ def apply(tree: PathLike, patches_dir: Optional[PathLike] = None) -> ChangeResul
             return None if after.state == State.APPLIED else f"after applying, {root} is {after.describe()}"
 
         _install(work, root, applied_everything)
-    log.info("applied %d patches to %s", len(series), root)
+    log.debug("applied %d patches to %s", len(series), root)
     return ChangeResult(root, True, f"{root}: applied {len(series)} patches")
 
 
@@ -742,7 +742,7 @@ def revert(tree: PathLike, patches_dir: Optional[PathLike] = None) -> ChangeResu
             return None if diff.ok else f"after reverting, {root} is still not the pin ({diff.describe()})"
 
         _install(work, root, back_to_the_pin)
-    log.info("reverted %d patches in %s", before.applied, root)
+    log.debug("reverted %d patches in %s", before.applied, root)
     return ChangeResult(root, True, f"{root}: reverted {before.applied} patches; the tree is the pristine pin")
 
 

@@ -122,15 +122,23 @@ def _hash_tree_node(node: dict) -> str:
     return pin.git_object_id("tree", bytes(payload))
 
 
+_proven_listings: set = set()
+
+
 def check_pin_listing() -> None:
-    """Prove the packaged listing is the pinned commit's tree (cheap: ~20 ms)."""
-    rebuilt = git_tree_id(pin.pinned_files())
+    """Prove the packaged listing is the pinned commit's tree (once per process)."""
+    listing = pin.pinned_files()
     expected = pin.pinned_tree_id()
+    key = (id(listing), len(listing), expected)  # pin.pinned_files() is cached: same object
+    if key in _proven_listings:
+        return
+    rebuilt = git_tree_id(listing)
     if rebuilt != expected:
         raise SourceError(
             f"the packaged file listing of llama.cpp {pin.LLAMA_CPP_BUILD} hashes to tree "
             f"{rebuilt}, but the pinned commit names tree {expected}: the package data is corrupt"
         )
+    _proven_listings.add(key)
 
 
 # --------------------------------------------------------------------------
@@ -231,7 +239,10 @@ def scan_tree(tree: PathLike, *, use_cache: bool = True) -> Dict[str, PinnedFile
         if cached is not None and cached[:4] == key:
             blob = cached[4]
         else:
-            blob = _blob_of(absolute, st, mode)
+            try:
+                blob = _blob_of(absolute, st, mode)
+            except OSError as exc:
+                raise SourceError(f"cannot read {absolute}: {exc}") from exc
             hashed += 1
         listing[relative] = PinnedFile(mode, blob)
         if st.st_mtime_ns < racy_after:
@@ -305,7 +316,7 @@ def tree_acceptance(tree: PathLike) -> Tuple[bool, str]:
         return False, f"not the pin ({diff.describe()}); patch state unknown: {exc}"
     if report.state == patches.State.APPLIED:
         return True, "patch series applied"
-    return False, f"not the pin ({diff.describe()}); {report.describe()}"
+    return False, report.describe()
 
 
 # --------------------------------------------------------------------------
@@ -423,16 +434,21 @@ def _download_github_archive(downloads: Path) -> Tuple[Path, str]:
 
     url = archive_url()
     log.info("downloading %s", url)
-    partial = target.with_name(target.name + ".part")
+    fd, name = tempfile.mkstemp(dir=downloads, prefix=f".{target.name}.", suffix=".part")
+    partial = Path(name)
     try:
-        with requests.get(url, stream=True, timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S)) as response:
+        with os.fdopen(fd, "wb") as handle, requests.get(
+            url, stream=True, timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S)
+        ) as response:
             response.raise_for_status()
-            with open(partial, "wb") as handle:
-                for chunk in response.iter_content(chunk_size=1 << 20):
-                    handle.write(chunk)
+            for chunk in response.iter_content(chunk_size=1 << 20):
+                handle.write(chunk)
     except requests.RequestException as exc:
         partial.unlink(missing_ok=True)
         raise SourceError(f"download failed: {exc}") from exc
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, target)
     log.info("downloaded %s (%.1f MB)", target.name, target.stat().st_size / 1e6)
     return target, ""
@@ -485,9 +501,16 @@ def _remote_sources() -> List[_Fetcher]:
     ]
 
 
-def _install_tree(staged: Path, final: Path) -> Path:
-    """Rename a verified staged tree into place; an existing tree is replaced."""
+def _install_tree(staged: Path, final: Path, replace: bool) -> Path:
+    """Rename a verified staged tree into place.
+
+    An existing tree is replaced only when asked (``fetch --force``); otherwise
+    it was installed by a concurrent fetch, and that one is kept.
+    """
     old = None
+    if final.exists() and not replace:
+        log.info("another process installed %s meanwhile; keeping it", final)
+        return final
     if final.exists():
         old = final.with_name(f".old-{final.name}-{os.getpid()}")
         os.rename(final, old)
@@ -499,7 +522,7 @@ def _install_tree(staged: Path, final: Path) -> Path:
     return final
 
 
-def _fetch_one(fetcher: _Fetcher, downloads: Path, final: Path) -> Path:
+def _fetch_one(fetcher: _Fetcher, downloads: Path, final: Path, replace: bool) -> Path:
     archive, subdir = fetcher.download(downloads)
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=".staging-"))
@@ -516,19 +539,19 @@ def _fetch_one(fetcher: _Fetcher, downloads: Path, final: Path) -> Path:
             # a corrupt, unsafe or wrong archive must not satisfy the next attempt
             archive.unlink(missing_ok=True)
             raise SourceError(f"{exc}; deleted {archive.name}") from exc
-        return _install_tree(tree, final)
+        return _install_tree(tree, final, replace)
     finally:
         forget_stat_cache(staging / final.name)
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _fetch_into_cache(tried: List[str]) -> Path:
+def _fetch_into_cache(tried: List[str], *, replace: bool = False) -> Path:
     final = cached_tree_path()
     downloads = downloads_dir()
     downloads.mkdir(parents=True, exist_ok=True)
     for fetcher in _remote_sources():
         try:
-            tree = _fetch_one(fetcher, downloads, final)
+            tree = _fetch_one(fetcher, downloads, final, replace)
         except (HeadInferError, OSError, subprocess.SubprocessError) as exc:
             log.info("%s: failed: %s", fetcher.label, exc)
             tried.append(f"{fetcher.label}: {exc}")
@@ -546,7 +569,7 @@ def fetch_source(*, force: bool = False) -> Path:
     final = cached_tree_path()
     if final.exists() and not force:
         return _use_existing(final, "the cached tree", False, _CACHED_RECIPE)
-    return _fetch_into_cache([])
+    return _fetch_into_cache([], replace=force)
 
 
 _CACHED_RECIPE = (
@@ -563,11 +586,11 @@ def _use_existing(tree: Path, label: str, allow_unverified: bool, recipe: str) -
         log.info("using %s %s (%s)", label, tree, description)
         return tree
     if allow_unverified:
-        log.warning("using %s %s although it is %s", label, tree, description)
+        log.warning("using %s %s although it is not the pin: %s", label, tree, description)
         return tree
     raise SourceError(
-        f"{label} {tree} is {description}. {recipe} "
-        "(or pass --allow-unverified to use it anyway)"
+        f"{label} {tree} is not usable: {description}. {recipe} "
+        "Or pass --allow-unverified to use it anyway."
     )
 
 

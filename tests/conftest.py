@@ -246,3 +246,19 @@ def fake_pin(fake_pin_template, monkeypatch) -> FakePin:
     monkeypatch.setattr(pin, "LLAMA_CPP_COMMIT", fake_pin_template.base)
     monkeypatch.setenv(paths.PATCHES_ENV, str(fake_pin_template.patches))
     return fake_pin_template
+
+
+# --------------------------------------------------------------------------
+# synthetic GGUF test models (pyllama_headinfer.testing_models)
+
+
+@pytest.fixture(scope="session")
+def gguf_models(request, tmp_path_factory) -> Dict[str, Path]:
+    """Name -> path of the small synthetic GGUF models (llama-gqa, qwen2,
+    gemma3-iswa), generated once and cached across runs in .pytest_cache."""
+    from pyllama_headinfer import testing_models
+
+    cache = getattr(request.config, "cache", None)
+    directory = Path(cache.mkdir("pyllama-headinfer-test-models")) if cache is not None \
+        else tmp_path_factory.mktemp("test-models")
+    return testing_models.ensure_test_models(directory)
