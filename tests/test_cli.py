@@ -11,6 +11,8 @@ import pytest
 from conftest import ROOT, snapshot
 from pyllama_headinfer import cli, source
 
+pytestmark = pytest.mark.usefixtures("isolated_cache")
+
 
 @pytest.fixture
 def tree(fake_pin, tmp_path) -> Path:

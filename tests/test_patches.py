@@ -14,6 +14,8 @@ from pyllama_headinfer import patches, paths, pin, source
 from pyllama_headinfer.errors import PatchError
 from pyllama_headinfer.patches import Outcome, State
 
+pytestmark = pytest.mark.usefixtures("isolated_cache")
+
 
 @pytest.fixture
 def tree(fake_pin, tmp_path) -> Path:

@@ -21,6 +21,8 @@ from conftest import git, snapshot
 from pyllama_headinfer import patches, paths, pin, source
 from pyllama_headinfer.errors import SourceError
 
+pytestmark = pytest.mark.usefixtures("isolated_cache")
+
 
 # --------------------------------------------------------------------------
 # fixtures: a local stand-in for GitHub, and a port nobody listens on
@@ -248,6 +250,25 @@ def test_wrong_archive_is_rejected_and_deleted(fake_pin, http_server, monkeypatc
     assert "not the pin" in str(failure.value)
     assert not source.cached_tree_path().exists()
     assert not list(source.downloads_dir().iterdir())
+
+
+def test_failed_download_leaves_no_partial_file(http_server, monkeypatch, no_pypi):
+    monkeypatch.setenv(source.ARCHIVE_URL_ENV, f"{http_server.url}/missing.tar.gz")
+    with pytest.raises(SourceError, match="download failed: 404"):
+        source.ensure_source()
+    assert not list(source.downloads_dir().iterdir())
+
+
+def test_a_tree_installed_by_a_concurrent_fetch_is_kept(tmp_path):
+    final, staged = tmp_path / "final", tmp_path / "staged"
+    final.mkdir()
+    (final / "theirs").write_text("")
+    staged.mkdir()
+    assert source._install_tree(staged, final, replace=False) == final
+    assert (final / "theirs").exists()
+    assert source._install_tree(staged, final, replace=True) == final
+    assert not (final / "theirs").exists() and not staged.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["final"]
 
 
 def test_path_traversal_archive_is_refused(fake_pin, http_server, monkeypatch, no_pypi, tmp_path):

@@ -1,0 +1,497 @@
+"""Tests of ``build``: unit tests of its parts (fast, nothing compiled) and
+tests of the real CPU build.
+
+The real build is the one ``.ci/run`` makes (``build/cpu`` in the checkout);
+the session fixture ``built`` reuses it, and only builds (incrementally) when
+its manifest is missing or stale. A fresh CPU build takes ~2-4 min on 2 cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pyllama_headinfer import build as B
+from pyllama_headinfer import cmake as tc
+from pyllama_headinfer import cli, paths, patches, pin
+from pyllama_headinfer.errors import BuildError
+from pyllama_headinfer.progress import Progress, classify_failure, parse_progress
+
+# Captured at import (collection), before the autouse fixture isolates the
+# cache: the real build uses the real cached source tree.
+REAL_CACHE = paths.cache_dir()
+
+
+def _no_gpu():
+    return tc.CudaProbe(nvcc="/usr/local/bin/nvcc", gpus=[], compute_caps=[])
+
+
+def _h200():
+    return tc.CudaProbe(nvcc="/usr/local/cuda/bin/nvcc", gpus=["GPU 0: NVIDIA H200 (UUID: GPU-x)"],
+                        compute_caps=["9.0"])
+
+
+def _nothing():
+    return tc.CudaProbe()
+
+
+# --------------------------------------------------------------------------
+# progress
+
+
+def test_parse_progress():
+    assert parse_progress("[12/78] Building C object ggml/src/ggml.c.o\n") == (12, 78, "Building C object ggml/src/ggml.c.o")
+    assert parse_progress("[1/1] Re-running CMake...") == (1, 1, "Re-running CMake...")
+    assert parse_progress("ninja: no work to do.") is None
+    assert parse_progress("/src/x.c:3:1: warning: [12/78] not a status line") is None
+    assert parse_progress("[0/0] ") is None
+    assert parse_progress("[9/8] impossible") is None
+
+
+def test_progress_plain_prints_about_every_ten_percent():
+    out = io.StringIO()
+    p = Progress(out, tty=False)
+    for i in range(1, 79):
+        assert p.feed(f"[{i}/78] Building CXX object x{i}.o\n")
+    assert not p.feed("In file included from foo.h:1:\n")
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert 9 <= len(lines) <= 11, lines
+    assert "100% (78/78" in lines[-1]
+    assert "\r" not in out.getvalue()
+
+
+def test_progress_tty_rewrites_one_line():
+    out = io.StringIO()
+    p = Progress(out, tty=True)
+    for i in range(1, 6):
+        p.feed(f"[{i}/5] Linking x\n")
+    text = out.getvalue()
+    assert text.count("\r") == 5 and "\n" not in text
+    assert "[100%] 5/5 Linking x" in text
+    p.close()
+    assert out.getvalue().endswith("\n")
+
+
+def test_progress_restarts_after_cmake_rerun():
+    out = io.StringIO()
+    p = Progress(out, tty=False)
+    p.feed("[1/1] Re-running CMake...\n")
+    for i in range(1, 11):
+        p.feed(f"[{i}/10] step\n")
+    text = out.getvalue()
+    assert "Re-running CMake" in text
+    assert text.count("%") == 10  # every step of the real run crosses another 10 %
+
+
+# --------------------------------------------------------------------------
+# failure classification
+
+
+@pytest.mark.parametrize("text, kind", [
+    ("FAILED: x.o\n/usr/bin/ld: final link failed: No space left on device\n", "disk_full"),
+    ("c++: fatal error: Killed signal terminated program cc1plus\n", "out_of_memory"),
+    ("CMake Error at CMakeLists.txt:2 (project):\n  The CMAKE_C_COMPILER:\n\n    /nonexistent\n\n"
+     "  is not a full path to an existing compiler tool.\n", "no_compiler"),
+    ("CMake Error: No CMAKE_CXX_COMPILER could be found.\n", "no_compiler"),
+    ("CMake Error at CMakeLists.txt:1:\n  CMake 3.14 or higher is required.  You are running version 3.10.2\n",
+     "cmake_too_old"),
+    ("nvcc fatal   : Unsupported gpu architecture 'compute_35'\n", "cuda_arch"),
+    ("ninja: build stopped: interrupted by user.\n", "interrupted"),
+])
+def test_classify_failure(text, kind):
+    found = classify_failure(text.splitlines())
+    assert found is not None and found[0] == kind
+    assert found[1]  # a sentence of advice
+
+
+def test_classify_failure_unknown():
+    assert classify_failure(["src/llama.cpp:12:3: error: 'foo' was not declared in this scope"]) is None
+
+
+# --------------------------------------------------------------------------
+# options, plan, configuration key
+
+
+def test_parse_define():
+    assert B.parse_define("-DGGML_AVX512=ON") == ("GGML_AVX512", None, "ON")
+    assert B.parse_define("-DCMAKE_C_COMPILER:FILEPATH=/usr/bin/gcc") == ("CMAKE_C_COMPILER", "FILEPATH", "/usr/bin/gcc")
+    assert B.parse_define("-D CMAKE_CUDA_ARCHITECTURES=86;90") == ("CMAKE_CUDA_ARCHITECTURES", None, "86;90")
+    assert B.split_cmake_args(["-D", "A=1", "-DB=2"]) == ["-DA=1", "-DB=2"]
+    for bad in ("-G", "-GNinja", "--fresh", "-DNOVALUE", "-S/tmp"):
+        with pytest.raises(BuildError, match="only -DNAME=VALUE"):
+            B.parse_define(bad)
+
+
+def test_config_keys():
+    assert B.config_key() == "cpu"
+    assert B.config_key("cuda", "90") == "cuda-sm90"
+    assert B.config_key("cuda", "86;90") == "cuda-sm86-90"
+    assert B.config_key("cuda", tc.DEFAULT_CUDA_ARCHS) == "cuda"
+    assert B.config_key("cpu", sanitize="address", build_type="RelWithDebInfo") == "cpu-asan"
+    assert B.config_key("cpu", build_type="Debug") == "cpu-debug"
+    assert B.config_key("cuda", "90", "thread", "Debug") == "cuda-sm90-tsan-debug"
+
+
+def test_plan_nvcc_without_gpu_builds_cpu_and_says_why(tmp_path):
+    plan = B.plan_build(build_dir=tmp_path, env={}, probe_fn=_no_gpu)
+    assert plan.backend == "cpu" and plan.key == "cpu"
+    assert any("no CUDA GPU is visible" in n and "--cuda" in n for n in plan.notes)
+    o = plan.options
+    assert o["CMAKE_BUILD_TYPE"] == "Release" and o["BUILD_SHARED_LIBS"] == "ON"
+    assert o["LLAMA_BUILD_TESTS"] == o["LLAMA_BUILD_TOOLS"] == o["LLAMA_BUILD_APP"] == "OFF"
+    assert "GGML_CUDA" not in o and "GGML_NATIVE" not in o  # llama.cpp's defaults stay
+    assert o["LLAMA_BUILD_NUMBER"] == pin.LLAMA_CPP_BUILD[1:]
+
+
+def test_plan_gpu_visible_builds_cuda_for_its_arch(tmp_path):
+    plan = B.plan_build(env={}, probe_fn=_h200)
+    assert plan.backend == "cuda" and plan.key == "cuda-sm90"
+    assert plan.options["GGML_CUDA"] == "ON"
+    assert plan.options["CMAKE_CUDA_ARCHITECTURES"] == "90"
+    assert plan.build_dir == B.build_root() / "cuda-sm90"
+    assert B.plan_build(env={}, probe_fn=_h200, cuda=False).key == "cpu"
+
+
+def test_plan_forced_cuda(tmp_path):
+    plan = B.plan_build(env={}, probe_fn=_no_gpu, cuda=True)
+    assert plan.key == "cuda" and plan.options["CMAKE_CUDA_ARCHITECTURES"] == tc.DEFAULT_CUDA_ARCHS
+    assert plan.options["CMAKE_CUDA_COMPILER"] == "/usr/local/bin/nvcc"
+    plan = B.plan_build(env={}, probe_fn=_no_gpu, cuda=True, cuda_arch="86;90")
+    assert plan.key == "cuda-sm86-90" and plan.options["CMAKE_CUDA_ARCHITECTURES"] == "86;90"
+    with pytest.raises(BuildError, match="nvcc"):
+        B.plan_build(env={}, probe_fn=_nothing, cuda=True)
+
+
+def test_plan_no_cuda_does_not_probe():
+    def boom():
+        raise AssertionError("probed")
+    assert B.plan_build(env={}, probe_fn=boom, cuda=False).backend == "cpu"
+
+
+def test_plan_cmake_args_env_and_cli():
+    env = {"CMAKE_ARGS": "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=86 -DGGML_AVX512=ON"}
+    plan = B.plan_build(env=env, probe_fn=_no_gpu, cmake_args=["-DGGML_AVX512=OFF"])
+    assert plan.backend == "cuda" and plan.key == "cuda-sm86"
+    assert plan.options["GGML_AVX512"] == "OFF"  # the command line wins over $CMAKE_ARGS
+    assert B.plan_build(env=env, probe_fn=_no_gpu, cuda_arch="90").key == "cuda-sm90"
+    with pytest.raises(BuildError, match="contradicts"):
+        B.plan_build(env=env, probe_fn=_no_gpu, cuda=False)
+
+
+def test_plan_sanitize():
+    plan = B.plan_build(env={}, probe_fn=_no_gpu, sanitize="address")
+    assert plan.key == "cpu-asan" and plan.build_type == "RelWithDebInfo"
+    for name in ("LLAMA_SANITIZE_ADDRESS", "LLAMA_SANITIZE_UNDEFINED", "GGML_SANITIZE_ADDRESS",
+                 "GGML_SANITIZE_UNDEFINED"):
+        assert plan.options[name] == "ON"
+    tools = B.plan_build(env={}, probe_fn=_no_gpu, tools=True)
+    assert tools.key == "cpu" and tools.options["LLAMA_BUILD_TOOLS"] == tools.options["LLAMA_BUILD_COMMON"] == "ON"
+
+
+def test_default_build_dir_in_checkout():
+    root = paths.project_root()
+    assert root is not None  # the tests run from a checkout
+    assert B.default_build_dir("cpu") == root / "build" / "cpu"
+    assert B.default_build_dir("cuda", cuda_arch="90") == root / "build" / "cuda-sm90"
+    assert B.default_build_dir("cpu", sanitize="address") == root / "build" / "cpu-asan"
+
+
+def test_reconfigure_only_when_options_change(tmp_path):
+    plan = B.plan_build(build_dir=tmp_path, env={}, probe_fn=_no_gpu, cmake_args=["-DGGML_AVX512=ON"])
+    cmake, ninja = tc.Tool("/x/cmake", (3, 28)), tc.Tool("/x/ninja", (1, 11))
+    src = tmp_path / "src"
+    argv = B._configure_argv(plan, src, cmake, ninja)
+    assert B._needs_configure(plan, src, argv, fresh=False) == "first configure of this directory"
+    (tmp_path / "build.ninja").write_text("")
+    (tmp_path / "CMakeCache.txt").write_text("")
+    B._write_json(tmp_path / B.STATE_NAME, {"source_tree": str(src), "argv": argv, "options": plan.options})
+    assert B._needs_configure(plan, src, argv, fresh=False) is None
+    assert B._needs_configure(plan, src, argv, fresh=True) == "--fresh"
+    assert "source tree changed" in B._needs_configure(plan, tmp_path / "other", argv, fresh=False)
+    plain = B.plan_build(build_dir=tmp_path, env={}, probe_fn=_no_gpu)
+    assert B._needs_configure(plain, src, B._configure_argv(plain, src, cmake, ninja), False) == "CMake options changed"
+    # an option given last time and not now goes back to its default
+    assert B._unset_dropped(plain, {"options": plan.options}) == ["-UGGML_AVX512"]
+
+
+# --------------------------------------------------------------------------
+# toolchain and environment checks
+
+
+def _script(path: Path, body: str) -> Path:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def test_cmake_too_old(tmp_path, monkeypatch):
+    _script(tmp_path / "cmake", 'echo "cmake version 3.10.2"\n')
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(tc, "_pypi_bin", lambda module, attr: None)
+    with pytest.raises(BuildError, match=r"too old.*3\.14.*3\.10\.2.*pip install -U cmake"):
+        tc.find_cmake()
+
+
+def test_old_cmake_on_path_falls_back_to_pypi(tmp_path, monkeypatch):
+    (tmp_path / "path").mkdir()
+    (tmp_path / "wheel").mkdir()
+    _script(tmp_path / "path" / "cmake", 'echo "cmake version 3.10.2"\n')
+    new = _script(tmp_path / "wheel" / "cmake", 'echo "cmake version 3.31.6"\n')
+    monkeypatch.setenv("PATH", str(tmp_path / "path"))
+    monkeypatch.setattr(tc, "_pypi_bin", lambda module, attr: str(tmp_path / "wheel"))
+    assert tc.find_cmake() == tc.Tool(str(new), (3, 31, 6))
+
+
+def test_no_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(BuildError, match="No C .*C\\+\\+.*compiler was found.*build-essential"):
+        tc.check_compilers({})
+    assert tc.check_compilers({"CMAKE_C_COMPILER": "/a/cc", "CMAKE_CXX_COMPILER": "/a/c++"}) == (None, None)
+
+
+def test_disk_space_checked_up_front(tmp_path, monkeypatch):
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(B.shutil, "disk_usage", lambda p: usage._replace(free=100 * 1024 ** 2))
+    with pytest.raises(BuildError, match="Not enough disk space.*0.10 GiB free"):
+        B._check_disk(tmp_path / "new" / "cpu", fresh_build=True, cuda=False)
+    monkeypatch.setattr(B.shutil, "disk_usage", lambda p: usage._replace(free=B.SPACE_FRESH_CPU))
+    B._check_disk(tmp_path / "new" / "cpu", fresh_build=True, cuda=False)
+
+
+def test_lock_no_wait_names_the_holder(tmp_path):
+    with B.build_lock(tmp_path):
+        assert str(os.getpid()) in (tmp_path / B.LOCK_NAME).read_text()
+        with pytest.raises(BuildError, match=rf"Another build is using .*pid {os.getpid()}"):
+            with B.build_lock(tmp_path, wait=False):
+                pass
+    with B.build_lock(tmp_path, wait=False):  # released
+        pass
+
+
+def test_lock_waits_for_the_holder(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            sys.path.insert(0, {str(Path(B.__file__).parents[1])!r})
+            from pathlib import Path
+            from pyllama_headinfer.build import build_lock
+            with build_lock(Path({str(tmp_path)!r})):
+                print("locked", flush=True)
+                time.sleep(1.5)
+        """)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    said = []
+    start = time.monotonic()
+    with B.build_lock(tmp_path, say=said.append):
+        waited = time.monotonic() - start
+    holder.wait()
+    assert waited > 0.5 and said and "Waiting for another build" in said[0] and f"pid {holder.pid}" in said[0]
+
+
+def test_load_manifest_without_build(tmp_path):
+    with pytest.raises(BuildError, match="Run `python -m pyllama_headinfer build` first"):
+        B.load_manifest(tmp_path)
+
+
+def test_cli_dry_run(capsys, monkeypatch):
+    monkeypatch.setattr(tc, "probe_cuda", _no_gpu)
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    assert cli.main(["build", "--dry-run", "--cmake-arg", "-DGGML_AVX512=ON", "-DGGML_LTO=ON"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config_key"] == "cpu" and out["backend"] == "cpu"
+    assert out["cmake_options"]["GGML_AVX512"] == "ON" and out["cmake_options"]["GGML_LTO"] == "ON"
+
+
+# --------------------------------------------------------------------------
+# the whole flow with a fake CMake and ninja (fast; exercises the error paths)
+
+
+FAKE_CMAKE = """\
+case "$1" in --version) echo "cmake version 3.28.3"; exit 0;; esac
+while [ $# -gt 0 ]; do [ "$1" = "-B" ] && B="$2"; shift; done
+echo "-- The C compiler identification is GNU 12.2.0"
+mkdir -p "$B/bin" "$B/CMakeFiles/3.28.3"
+echo 'set(CMAKE_C_COMPILER "/usr/bin/cc")' > "$B/CMakeFiles/3.28.3/CMakeCCompiler.cmake"
+echo 'set(CMAKE_C_COMPILER_ID "GNU")' >> "$B/CMakeFiles/3.28.3/CMakeCCompiler.cmake"
+echo 'set(CMAKE_C_COMPILER_VERSION "12.2.0")' >> "$B/CMakeFiles/3.28.3/CMakeCCompiler.cmake"
+echo "CMAKE_BUILD_TYPE:STRING=Release" > "$B/CMakeCache.txt"
+printf 'build ggml: phony bin/libggml.so\\nbuild llama: phony bin/libllama.so\\n' > "$B/build.ninja"
+"""
+
+FAKE_NINJA = """\
+case "$1" in --version) echo "1.11.1"; exit 0;; esac
+B="$2"
+case "$FAKE_NINJA_MODE" in
+  ok) for i in 1 2 3 4; do echo "[$i/4] Building CXX object x$i.o"; done
+      touch "$B/bin/libggml.so" "$B/bin/libllama.so"; exit 0;;
+  full) echo "[1/4] Building CXX object a.o"; echo "FAILED: b.o"
+        echo "/usr/bin/as: b.o: No space left on device"; echo "ninja: build stopped: subcommand failed."; exit 1;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_toolchain(tmp_path, monkeypatch):
+    bindir = tmp_path / "fakebin"
+    bindir.mkdir()
+    _script(bindir / "cmake", FAKE_CMAKE)
+    _script(bindir / "ninja", FAKE_NINJA)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(tc, "_pypi_bin", lambda module, attr: None)
+    monkeypatch.setattr(tc, "probe_cuda", _no_gpu)
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    src = tmp_path / "llama.cpp"
+    (src / "include").mkdir(parents=True)
+    monkeypatch.setattr(B, "_prepare_source", lambda llama_src, allow: (src, "f" * 64))
+    return tmp_path
+
+
+def test_fake_build_then_up_to_date(fake_toolchain, monkeypatch):
+    monkeypatch.setenv("FAKE_NINJA_MODE", "ok")
+    out = io.StringIO()
+    d = fake_toolchain / "b"
+    first = B.build(build_dir=d, bindings=False, out=out)
+    assert first.configured and not first.up_to_date and first.steps == 4
+    m = B.load_manifest(d)
+    assert m["series_hash"] == "f" * 64 and m["libraries"] == {"ggml": str(d / "bin/libggml.so"),
+                                                               "llama": str(d / "bin/libllama.so")}
+    assert m["compilers"]["c"] == {"path": "/usr/bin/cc", "id": "GNU", "version": "12.2.0"}
+    assert "no CUDA GPU is visible" in out.getvalue()
+    # second run: no configure (state matches); the fake ninja still "builds", so
+    # check only that CMake did not run
+    second = B.build(build_dir=d, bindings=False, out=io.StringIO())
+    assert not second.configured
+    third = B.build(build_dir=d, bindings=False, out=io.StringIO(), cmake_args=["-DGGML_LTO=ON"])
+    assert third.configured
+
+
+def test_fake_build_disk_full(fake_toolchain, monkeypatch):
+    monkeypatch.setenv("FAKE_NINJA_MODE", "full")
+    out = io.StringIO()
+    d = fake_toolchain / "b"
+    with pytest.raises(BuildError) as err:
+        B.build(build_dir=d, bindings=False, out=out)
+    msg = str(err.value)
+    assert "Compiling llama.cpp failed" in msg and "disk is full" in msg and str(d / "build.log") in msg
+    assert "\n" not in msg  # one paragraph
+    assert err.value.kind == "disk_full"
+    assert "No space left on device" in out.getvalue()  # the tail of the log was shown
+    assert not (d / "manifest.json").exists()
+
+
+# --------------------------------------------------------------------------
+# the real CPU build (shared with .ci/run)
+
+
+@pytest.fixture(scope="session")
+def built():
+    """build/cpu of the checkout, built (incrementally) only when missing or stale."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(paths.CACHE_ENV, str(REAL_CACHE))
+        d = B.default_build_dir("cpu")
+        try:
+            B.load_manifest(d, require_current=True)
+        except BuildError:
+            B.build(build_dir=d, cuda=False)
+    return d
+
+
+@pytest.fixture
+def real_cache(monkeypatch):
+    monkeypatch.setenv(paths.CACHE_ENV, str(REAL_CACHE))
+
+
+def test_manifest(built):
+    m = B.load_manifest(built)
+    assert m["pin"] == {"build": pin.LLAMA_CPP_BUILD, "commit": pin.LLAMA_CPP_COMMIT}
+    assert m["series_hash"] == patches.series_hash()
+    assert m["backend"] == "cpu" and m["config_key"] == "cpu" and m["build_dir"] == str(built)
+    assert {"llama", "ggml", "ggml-base", "ggml-cpu"} <= set(m["libraries"])
+    for lib in m["libraries"].values():
+        assert Path(lib).is_file() and Path(lib).parent == Path(m["lib_dir"])
+    assert (Path(m["include_dir"]) / "llama.h").is_file()
+    assert all(Path(d).is_dir() for d in m["include_dirs"])
+    assert Path(m["source_tree"]).is_dir()
+    assert m["compilers"]["c"]["version"] and m["compilers"]["cxx"]["version"]
+    assert m["cmake_options"]["BUILD_SHARED_LIBS"] == "ON"
+    assert m["tools"]["cmake"]["version"] and m["tools"]["ninja"]["version"]
+    assert m["duration_s"] >= 0 and m["built_at"]
+
+
+def test_libllama_exports_the_headinfer_api(built):
+    m = B.load_manifest(built)
+    lib = ctypes.CDLL(m["libraries"]["llama"])
+    for symbol in ("llama_kv_residency_buffers", "llama_context_default_params"):
+        assert hasattr(lib, symbol), symbol
+    nm = shutil.which("nm")
+    if nm:
+        out = subprocess.run([nm, "-D", "--defined-only", m["libraries"]["llama"]], capture_output=True,
+                             text=True, check=True).stdout
+        assert " T llama_kv_residency_buffers" in out
+
+
+PROBE_C = r"""
+#include <stdio.h>
+#include <stddef.h>
+#include "llama.h"
+int main(void) {
+    struct llama_context_params p = llama_context_default_params();
+    printf("%zu %g\n", offsetof(struct llama_context_params, headinfer_gpu_heads_frac),
+           (double) p.headinfer_gpu_heads_frac);
+    return 0;
+}
+"""
+
+
+def test_context_params_carry_gpu_heads_frac(built, tmp_path):
+    m = B.load_manifest(built)
+    cc = (m["compilers"]["c"] or {}).get("path") or "cc"
+    (tmp_path / "probe.c").write_text(PROBE_C)
+    cmd = [cc, "probe.c", "-o", "probe", *(f"-I{d}" for d in m["include_dirs"]),
+           f"-L{m['lib_dir']}", "-lllama", f"-Wl,-rpath,{m['lib_dir']}"]
+    compiled = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stderr
+    ran = subprocess.run([str(tmp_path / "probe")], capture_output=True, text=True, check=True)
+    offset, default = ran.stdout.split()
+    assert int(offset) > 0
+    assert float(default) == 1.0
+
+
+def test_noop_rebuild_is_up_to_date(built, real_cache):
+    out = io.StringIO()
+    start = time.monotonic()
+    result = B.build(build_dir=built, cuda=False, out=out)
+    seconds = time.monotonic() - start
+    assert result.up_to_date and not result.configured and result.steps == 0, out.getvalue()
+    assert "Up to date" in out.getvalue()
+    log = (built / "build.log").read_text()
+    assert "no work to do" in log and "Building" not in log and "Linking" not in log
+    assert seconds < 15, f"no-op build took {seconds:.1f} s"
+    assert B.load_manifest(built)["up_to_date"] is True
+
+
+def test_failing_configure_gives_a_clear_error(real_cache, tmp_path, capsys):
+    d = tmp_path / "bad"
+    rc = cli.main(["build", "--no-cuda", "--no-bindings", "--build-dir", str(d),
+                   "--cmake-arg=-DCMAKE_C_COMPILER=/nonexistent"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: Configuring llama.cpp with CMake failed")
+    assert "compiler" in last and str(d / "build.log") in last
+    assert "/nonexistent" in err  # the tail of the log was printed
+    assert not (d / "manifest.json").exists()
