@@ -21,12 +21,15 @@ tree can interfere, and a failed apply leaves the tree byte-identical.
 
 Maintainer workflow (regenerating the series, see :func:`export`)::
 
-    git clone <llama.cpp> hi && cd hi && git checkout -b headinfer <pin commit>
-    pyllama-headinfer patch apply --llama-src .   # or `git am <patches>/*.patch`
-    git add -A && git commit ...                  # one commit per patch
-    # edit, `git commit --fixup`/`rebase -i`, ... until the commits are the series
-    pyllama-headinfer patch export --llama-src .  # rewrites patches/ and series
-    pyllama-headinfer patch check                 # the new series on a pristine tree
+    P=<project>/patches
+    # a git repository of the pristine pin: a clone of llama.cpp checked out at
+    # the pinned commit, or a copy of a pristine tree committed as a root commit
+    cp -r "$(pyllama-headinfer source path)" hi && cd hi   # `patch revert` it if patched
+    git init -q && git add -A && git commit -qm "llama.cpp b11312"
+    for p in $(sed 's/#.*//' "$P/series"); do git am "$P/$p"; done  # one commit per patch
+    # edit, commit, `git rebase -i` ... until the commits on top of the pin are the series
+    pyllama-headinfer patch export --llama-src .   # rewrites $P/*.patch and $P/series
+    pyllama-headinfer patch check                  # the new series against the cached tree
 """
 
 from __future__ import annotations
@@ -757,12 +760,34 @@ def _git_out(args: Sequence[str], repo: Path, what: str) -> str:
     return result.stdout.strip()
 
 
-def _check_export_repo(repo: Path, base: str) -> None:
+def _export_base(repo: Path, base: Optional[str]) -> str:
+    """The commit the series starts from.
+
+    An explicit ``base``; else the pinned commit when the repository has it;
+    else the newest ancestor of HEAD whose tree is the pin's tree (a copy of
+    the pinned source committed with ``git init``).
+    """
     top = run_git(["rev-parse", "--show-toplevel"], repo)
     if top.returncode != 0 or Path(top.stdout.strip()).resolve() != repo:
-        raise PatchError(f"{repo} is not the top of a git repository; export needs a checkout whose commits on top of the pin are the series")
-    if run_git(["cat-file", "-e", f"{base}^{{commit}}"], repo).returncode != 0:
-        raise PatchError(f"{repo} does not contain the pinned commit {base}")
+        raise PatchError(f"{repo} is not the top of a git repository; export needs a checkout "
+                         "whose commits on top of the pin are the series")
+    if base is not None:
+        if run_git(["cat-file", "-e", f"{base}^{{commit}}"], repo).returncode != 0:
+            raise PatchError(f"{repo} does not contain the base commit {base}")
+        return base
+    if run_git(["cat-file", "-e", f"{pin.LLAMA_CPP_COMMIT}^{{commit}}"], repo).returncode == 0:
+        return pin.LLAMA_CPP_COMMIT
+    history = _git_out(["log", "--format=%H %T", "HEAD"], repo, "git log")
+    for line in history.splitlines():
+        commit, tree = line.split()
+        if tree == pin.pinned_tree_id():
+            log.info("exporting from %s, the commit of %s whose tree is the pin's", commit[:12], repo)
+            return commit
+    raise PatchError(f"{repo} contains neither the pinned commit {pin.LLAMA_CPP_COMMIT} nor a commit "
+                     "with the pin's tree; pass --base COMMIT")
+
+
+def _check_export_repo(repo: Path, base: str) -> None:
     if run_git(["merge-base", "--is-ancestor", base, "HEAD"], repo).returncode != 0:
         raise PatchError(f"HEAD of {repo} does not descend from the pinned commit {base}")
     if _git_out(["rev-list", "--merges", f"{base}..HEAD"], repo, "git rev-list"):
@@ -773,7 +798,10 @@ def _check_export_repo(repo: Path, base: str) -> None:
 
 
 def export(tree: PathLike, patches_dir: Optional[PathLike] = None, *, base: Optional[str] = None) -> List[str]:
-    """Rewrite the series from the commits ``<pin>..HEAD`` of the git repository ``tree``.
+    """Rewrite the series from the commits ``<base>..HEAD`` of the git repository ``tree``.
+
+    ``base`` defaults to the pinned commit, or to the commit whose tree is the
+    pin's (see :func:`_export_base`; the module docstring has the workflow).
 
     Runs ``git format-patch --zero-commit --no-signature --no-stat -N`` (plus
     fixed a/ b/ prefixes and no rename detection, so users' git config cannot
@@ -782,7 +810,7 @@ def export(tree: PathLike, patches_dir: Optional[PathLike] = None, *, base: Opti
     Returns the new patch names.
     """
     repo = _tree_root(tree)
-    base = base or pin.LLAMA_CPP_COMMIT
+    base = _export_base(repo, base)
     directory = _series_dir(patches_dir)
     _check_export_repo(repo, base)
     directory.mkdir(parents=True, exist_ok=True)
@@ -802,7 +830,7 @@ def export(tree: PathLike, patches_dir: Optional[PathLike] = None, *, base: Opti
         for name in names:
             os.replace(Path(staging) / name, directory / name)
     header = (
-        f"# The HeadInfer patch series for llama.cpp {pin.LLAMA_CPP_BUILD} ({base}),\n"
+        f"# The HeadInfer patch series for llama.cpp {pin.LLAMA_CPP_BUILD} ({pin.LLAMA_CPP_COMMIT}),\n"
         "# applied in this order. Generated by `pyllama-headinfer patch export`.\n"
     )
     (directory / SERIES_FILE).write_text(header + "".join(f"{n}\n" for n in names), encoding="utf-8")
@@ -829,6 +857,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         target = "the git checkout to export from" if name == "export" else "the llama.cpp tree"
         sub.add_argument("--llama-src", metavar="PATH", help=f"{target} (default: the cached tree)")
         sub.add_argument("--patches-dir", metavar="DIR", help=f"series directory (default: {paths.patches_dir()})")
+        if name == "export":
+            sub.add_argument("--base", metavar="COMMIT",
+                             help="the commit the series starts from (default: the pin, or the commit with its tree)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -836,7 +867,7 @@ def run(args: argparse.Namespace) -> int:
     if action == "export":
         if not args.llama_src and not os.environ.get(source.LLAMA_SRC_ENV):
             raise PatchError("export needs --llama-src: a git checkout whose commits on top of the pin are the series")
-        names = export(source.locate_tree(args.llama_src), args.patches_dir)
+        names = export(source.locate_tree(args.llama_src), args.patches_dir, base=args.base)
         print(f"exported {len(names)} patches to {_series_dir(args.patches_dir)}")
         return 0
     tree = source.locate_tree(args.llama_src)

@@ -255,8 +255,29 @@ def test_export_refuses_dirty_or_foreign_repositories(fake_pin, tmp_path):
             patches.export(fake_pin.repo, tmp_path / "out")
     finally:
         readme.write_text(original)
-    with pytest.raises(PatchError, match="does not contain the pinned commit"):
+    with pytest.raises(PatchError, match="does not contain the base commit"):
         patches.export(fake_pin.repo, tmp_path / "out", base="1" * 40)
+
+
+def test_export_from_a_committed_copy_of_the_pin(fake_pin, tmp_path):
+    """The documented workflow: git init a pristine tree, `git am` the series, export."""
+    repo = fake_pin.fresh_tree(tmp_path / "hi")
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "llama.cpp pin")
+    for name in patches.read_series_names(fake_pin.patches):
+        git(repo, "am", "-q", str(fake_pin.patches / name))
+    out = tmp_path / "exported"
+    names = patches.export(repo, out)
+    assert patches.read_series_names(out) == names
+    for name in names:
+        assert (out / name).read_bytes() == (fake_pin.patches / name).read_bytes()
+    (repo / "README.md").unlink()
+    git(repo, "commit", "-qam", "unrelated")
+    git(repo, "checkout", "-q", "--orphan", "other")
+    git(repo, "commit", "-qm", "no pin here")
+    with pytest.raises(PatchError, match="pass --base"):
+        patches.export(repo, out)
 
 
 # --------------------------------------------------------------------------
@@ -270,9 +291,10 @@ def _real_series_is_empty() -> bool:
         return False  # a broken series must fail the test below, not skip it
 
 
-def test_real_series_applies_and_reverts(pinned_copy):
+def test_real_series_applies_and_reverts(request):
     if _real_series_is_empty():
         pytest.skip(f"the patch series in {paths.patches_dir()} is empty")
+    pinned_copy = request.getfixturevalue("pinned_copy")  # only now: copying costs seconds
     before = snapshot(pinned_copy)
     report = patches.check(pinned_copy)
     assert report.ok, report.describe()
