@@ -40,9 +40,9 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from . import paths, pin
 from .errors import HeadInferError, PatchError, SourceError
@@ -491,7 +491,7 @@ def _download_sdist(downloads: Path) -> Tuple[Path, str]:
 @dataclass
 class _Fetcher:
     label: str
-    download: "object"  # Callable[[Path], Tuple[Path, str]] (archive, subdir)
+    download: Callable[[Path], Tuple[Path, str]]  # downloads dir -> (archive, subdir to extract)
 
 
 def _remote_sources() -> List[_Fetcher]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import git, snapshot
-from pyllama_headinfer import patches, paths, pin, source
+from pyllama_headinfer import patches, paths, source
 from pyllama_headinfer.errors import PatchError
 from pyllama_headinfer.patches import Outcome, State
 

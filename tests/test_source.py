@@ -7,7 +7,6 @@ import io
 import logging
 import os
 import socket
-import subprocess
 import tarfile
 import threading
 import time
