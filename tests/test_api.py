@@ -35,7 +35,7 @@ def model(llama, gguf_models):
 
 @pytest.fixture
 def ctx(llama, model):
-    with llama.Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=2) as c:
+    with llama.Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1) as c:
         yield c
 
 
@@ -206,8 +206,8 @@ def test_logits_modes(llama, model, ctx):
 
 def test_logits_all_over_several_batches(llama, model):
     toks = prompt_tokens(model, 40)
-    with llama.Context(model, n_ctx=128, n_batch=16, n_ubatch=16, n_threads=2) as small, \
-            llama.Context(model, n_ctx=128, n_batch=64, n_ubatch=16, n_threads=2) as big:
+    with llama.Context(model, n_ctx=128, n_batch=16, n_ubatch=16, n_threads=1) as small, \
+            llama.Context(model, n_ctx=128, n_batch=64, n_ubatch=16, n_threads=1) as big:
         small.decode(toks, logits="all")
         big.decode(toks, logits="all")
         for i in (0, 15, 16, 31, 39, -1):
@@ -326,7 +326,7 @@ def test_seq_rm_and_redecode(model, ctx):
 def test_seq_cp_across_streams(llama, model):
     """Non-unified KV cache: seq_cp copies the data between per-sequence streams."""
     toks = prompt_tokens(model, 24)
-    with llama.Context(model, n_ctx=512, n_seq_max=2, kv_unified=False, n_threads=2) as c:
+    with llama.Context(model, n_ctx=512, n_seq_max=2, kv_unified=False, n_threads=1) as c:
         c.decode(toks[:20], seq_id=0)
         c.seq_cp(0, 1)
         assert c.n_tokens(1) == 20
@@ -342,7 +342,7 @@ def test_seq_cp_across_streams(llama, model):
 
 def test_seq_cp_keep_unified(llama, model):
     toks = prompt_tokens(model, 24)
-    with llama.Context(model, n_ctx=256, n_seq_max=2, kv_unified=True, n_threads=2) as c:
+    with llama.Context(model, n_ctx=256, n_seq_max=2, kv_unified=True, n_threads=1) as c:
         c.decode(toks[:20], seq_id=0)
         c.seq_cp(0, 1)
         c.decode(toks[20:], seq_id=1)
@@ -397,6 +397,14 @@ def test_state_roundtrip(llama, model, ctx):
     assert cont == first
 
 
+def _logits_after(llama, model, toks):
+    """Logits after decoding toks[:-1] then toks[-1] in a fresh context (same batch shapes)."""
+    with llama.Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1) as c:
+        c.decode(toks[:-1])
+        c.decode(toks[-1:])
+        return c.logits()
+
+
 def test_state_file_roundtrip(llama, model, ctx, tmp_path):
     toks = prompt_tokens(model, 25)
     ctx.decode(toks)
@@ -404,7 +412,7 @@ def test_state_file_roundtrip(llama, model, ctx, tmp_path):
     path = tmp_path / "state.bin"
     ctx.save_state_file(path, toks)
     assert path.stat().st_size > 0
-    with llama.Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=2) as other:
+    with llama.Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1) as other:
         assert other.load_state_file(path) == toks
         assert other.n_tokens() == 25
         with pytest.raises(ValueError, match="no logits"):
@@ -419,7 +427,7 @@ def test_state_file_roundtrip(llama, model, ctx, tmp_path):
 
 def test_seq_state_roundtrip(llama, model):
     toks = prompt_tokens(model, 20)
-    with llama.Context(model, n_ctx=256, n_seq_max=2, kv_unified=False, n_threads=2) as c:
+    with llama.Context(model, n_ctx=256, n_seq_max=2, kv_unified=False, n_threads=1) as c:
         c.decode(toks, seq_id=0)
         data = c.save_seq_state(0)
         c.load_seq_state(data, 1)

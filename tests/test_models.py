@@ -121,7 +121,7 @@ def test_llama_cpp_loads_and_generates(built, gguf_models, name):
         text = "Once upon a time there was a little town by the sea."
         toks = model.tokenize(text, add_special=False)
         assert model.detokenize(toks).strip() == text
-        with Context(model, n_ctx=256, n_threads=2) as ctx:
+        with Context(model, n_ctx=256, n_threads=1) as ctx:
             prompt = model.tokenize(text)
             out = list(ctx.generate(prompt, max_tokens=16, stop_at_eog=False))
             assert len(out) == 16

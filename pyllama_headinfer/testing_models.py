@@ -1,0 +1,386 @@
+"""Small synthetic GGUF models for tests: real llama.cpp architectures, random
+weights from a fixed seed, tiny vocabularies -- a few MB each, loaded and run
+by llama.cpp in well under a second on a CPU.
+
+- ``llama-gqa``  : ``llama``, 8 query / 4 KV heads (GQA), head size 64, 3 layers,
+  SentencePiece ("llama") tokenizer, F16 matrices.
+- ``qwen2``      : ``qwen2`` with q/k/v biases, 8 query / 4 KV heads, head size 64,
+  2 layers, byte-level BPE ("gpt2", pre-tokenizer "qwen2") tokenizer, F32.
+- ``gemma3-iswa``: ``gemma3``, 8 query / 4 KV heads, head size 64, 4 layers
+  alternating sliding-window (16) and global attention, SPM tokenizer,
+  F16 matrices (output not tied to the embeddings: with random weights a tied
+  output just repeats the last token).
+
+At the pin the tokenizer is independent of the architecture (``qwen2`` would
+load with an SPM vocab too); the qwen2 model uses a real byte-level BPE vocab
+with merges anyway so that both tokenizer families are exercised.
+
+Head size 64 (not 32) because it is a head size every flash-attention kernel
+of llama.cpp supports, including the CUDA ones used by the GPU tests.
+
+Use :func:`write_test_models` (or ``scripts/make_test_models.py --out DIR``) to
+write them, :func:`ensure_test_models` for a content-addressed cache (the
+pytest fixture).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+# Bump when the generator's output changes for the same spec (invalidates caches).
+GENERATOR_VERSION = 1
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A small model can still tell a story.
+Once upon a time there was a little town by the sea, and every morning the baker
+opened his shop before the sun was up. The people of the town loved his bread,
+and the children came to see the warm loaves and the sweet cakes in the window.
+One day a stranger walked into the shop and asked for a cup of tea and a piece of
+cake. He said that he had come from a land far away, where the mountains touch the
+clouds and the rivers run with cold, clear water. The baker listened to his story
+and gave him a second piece of cake for free. When the stranger left, he smiled and
+said: thank you, my friend, I will remember this town and your kind heart.
+Numbers like 1, 2, 3, 10, 42 and 2024 appear in text too; so do questions? Yes!
+Memory on the device is small, the host has more: keep some heads here, some there.
+"""
+
+SPM_SPACE = "\u2581"  # ▁
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    arch: str  # gguf architecture name
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    tokenizer: str  # "spm" or "bpe"
+    n_vocab: int
+    dtype: str  # "f32" or "f16" (matrices; norms and biases stay f32)
+    qkv_bias: bool = False
+    tied_output: bool = False
+    sliding_window: int = 0  # 0 = no SWA
+    swa_pattern: int = 0  # every n-th layer is global (llama.cpp's pattern)
+    n_ctx_train: int = 4096
+    rope_freq_base: float = 10000.0
+    seed: int = 1234
+
+    def cache_key(self) -> str:
+        payload = json.dumps({"v": GENERATOR_VERSION, "spec": asdict(self), "corpus": CORPUS}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.gguf"
+
+
+SPECS: dict[str, ModelSpec] = {
+    s.name: s
+    for s in (
+        ModelSpec(name="llama-gqa", arch="llama", n_layer=3, n_embd=256, n_head=8, n_head_kv=4, head_dim=64,
+                  n_ff=512, tokenizer="spm", n_vocab=512, dtype="f16", seed=1001),
+        ModelSpec(name="qwen2", arch="qwen2", n_layer=2, n_embd=512, n_head=8, n_head_kv=4, head_dim=64,
+                  n_ff=768, tokenizer="bpe", n_vocab=640, dtype="f32", qkv_bias=True,
+                  rope_freq_base=1000000.0, seed=1002),
+        ModelSpec(name="gemma3-iswa", arch="gemma3", n_layer=4, n_embd=256, n_head=8, n_head_kv=4, head_dim=64,
+                  n_ff=512, tokenizer="spm", n_vocab=512, dtype="f16",
+                  sliding_window=16, swa_pattern=2, rope_freq_base=1000000.0, seed=1003),
+    )
+}
+
+# Architectures the HeadInfer equivalence tests cover; gemma3 is for later (iSWA) work.
+SPLIT_TEST_MODELS = ("llama-gqa", "qwen2")
+
+
+# --------------------------------------------------------------------------- #
+# tokenizers
+# --------------------------------------------------------------------------- #
+
+@dataclass
+class Vocab:
+    model: str  # "llama" or "gpt2"
+    pre: str | None
+    tokens: list[str]
+    scores: list[float]
+    types: list[int]
+    merges: list[str]
+    bos: int
+    eos: int
+    unk: int | None
+    add_bos: bool
+    extra_eog: tuple[int, ...] = ()
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[A-Za-z]+", text)
+
+
+def spm_vocab(n_vocab: int, corpus: str = CORPUS) -> Vocab:
+    """SentencePiece-style vocab: <unk> <s> </s>, the 256 byte tokens, single
+    characters, then whole words of the corpus with every prefix (llama.cpp's
+    SPM tokenizer merges bigrams that are in the vocab, so each step of a word
+    has to be a piece)."""
+    from gguf import TokenType
+
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
+    scores = [0.0, 0.0, 0.0]
+    for b in range(256):
+        tokens.append(f"<0x{b:02X}>")
+        types.append(TokenType.BYTE)
+        scores.append(0.0)
+    seen = set(tokens)
+
+    def add(piece: str) -> bool:
+        if piece in seen or len(tokens) >= n_vocab:
+            return False
+        seen.add(piece)
+        tokens.append(piece)
+        types.append(TokenType.NORMAL)
+        scores.append(-float(len(tokens)) / 1000.0 + len(piece))  # longer pieces win
+        return True
+
+    chars = sorted(set(corpus) - {" ", "\n"})
+    add(SPM_SPACE)
+    for ch in chars:
+        add(ch)
+    for ch in chars:
+        add(SPM_SPACE + ch)
+    counts = Counter(w.lower() for w in _words(corpus))
+    counts.update(_words(corpus))
+    for word, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        piece = SPM_SPACE + word
+        for i in range(2, len(piece) + 1):
+            add(piece[:i])
+    i = 0
+    while len(tokens) < n_vocab:  # pad with unused pieces so n_vocab is exact
+        add(f"<unused{i}>")
+        types[-1] = TokenType.UNUSED
+        i += 1
+    return Vocab(model="llama", pre=None, tokens=tokens, scores=scores, types=[int(t) for t in types],
+                 merges=[], bos=1, eos=2, unk=0, add_bos=True)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode mapping."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+_BPE_PRETOKENIZE = re.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+""")
+
+
+def bpe_vocab(n_vocab: int, corpus: str = CORPUS) -> Vocab:
+    """Byte-level BPE vocab (GPT-2 / Qwen2 style) trained on the corpus: the 256
+    byte symbols, learned merges, and the Qwen2 special tokens at the end."""
+    from gguf import TokenType
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    b2u = _bytes_to_unicode()
+    tokens = [b2u[b] for b in range(256)]
+    seen = set(tokens)
+    merges: list[str] = []
+    words = Counter(
+        tuple(b2u[b] for b in piece.encode("utf-8")) for piece in _BPE_PRETOKENIZE.findall(corpus)
+    )
+    n_target = n_vocab - len(specials)
+    while len(tokens) < n_target:
+        pairs: Counter = Counter()
+        for word, cnt in words.items():
+            for a, b in zip(word, word[1:]):
+                pairs[(a, b)] += cnt
+        if not pairs:
+            break
+        (a, b), _ = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
+        merged = a + b
+        merges.append(f"{a} {b}")
+        if merged not in seen:
+            seen.add(merged)
+            tokens.append(merged)
+        new_words: Counter = Counter()
+        for word, cnt in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
+                    out.append(merged)
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            new_words[tuple(out)] += cnt
+        words = new_words
+    i = 0
+    while len(tokens) < n_target:
+        tokens.append(f"<|unused{i}|>")
+        i += 1
+    types = [int(TokenType.NORMAL)] * len(tokens)
+    eot = len(tokens)
+    tokens += specials
+    types += [int(TokenType.CONTROL)] * len(specials)
+    return Vocab(model="gpt2", pre="qwen2", tokens=tokens, scores=[], types=types, merges=merges,
+                 bos=eot, eos=eot, unk=None, add_bos=False, extra_eog=(eot + 2,))
+
+
+def vocab_for(spec: ModelSpec) -> Vocab:
+    if spec.tokenizer == "spm":
+        return spm_vocab(spec.n_vocab)
+    if spec.tokenizer == "bpe":
+        return bpe_vocab(spec.n_vocab)
+    raise ValueError(f"unknown tokenizer {spec.tokenizer!r}")
+
+
+# --------------------------------------------------------------------------- #
+# weights and file
+# --------------------------------------------------------------------------- #
+
+def _tensor_name(kind, bid: int | None = None, suffix: str = "weight") -> str:
+    import gguf
+
+    base = gguf.TENSOR_NAMES[kind]
+    return (base.format(bid=bid) if bid is not None else base) + "." + suffix
+
+
+def write_model(spec: ModelSpec, path: Path) -> Path:
+    """Write ``spec`` as a GGUF file at ``path`` (atomically); return ``path``."""
+    import gguf
+    from gguf import MODEL_TENSOR as T
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(spec.seed)
+    vocab = vocab_for(spec)
+    n_vocab = len(vocab.tokens)
+    assert n_vocab == spec.n_vocab, (n_vocab, spec.n_vocab)
+    mat_dtype = np.float16 if spec.dtype == "f16" else np.float32
+    n_q = spec.n_head * spec.head_dim
+    n_kv = spec.n_head_kv * spec.head_dim
+
+    def mat(n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
+        # numpy shape (rows=n_out, cols=n_in) == ggml ne {n_in, n_out}
+        return (rng.standard_normal((n_out, n_in)) * (gain / np.sqrt(n_in))).astype(mat_dtype)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def bias(n: int) -> np.ndarray:
+        return (0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), spec.arch)
+    w.add_name(f"pyllama-headinfer test model {spec.name}")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if spec.dtype == "f16" else gguf.LlamaFileType.ALL_F32)
+    w.add_context_length(spec.n_ctx_train)
+    w.add_embedding_length(spec.n_embd)
+    w.add_block_count(spec.n_layer)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(spec.n_head_kv)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_rope_dimension_count(spec.head_dim)
+    w.add_rope_freq_base(spec.rope_freq_base)
+    w.add_layer_norm_rms_eps(1e-6)
+    if spec.sliding_window:
+        w.add_sliding_window(spec.sliding_window)
+        w.add_sliding_window_pattern(spec.swa_pattern)
+        w.add_rope_freq_base_swa(10000.0)
+
+    w.add_tokenizer_model(vocab.model)
+    if vocab.pre:
+        w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(vocab.tokens)
+    if vocab.scores:
+        w.add_token_scores(vocab.scores)
+    w.add_token_types(vocab.types)
+    if vocab.merges:
+        w.add_token_merges(vocab.merges)
+    w.add_bos_token_id(vocab.bos)
+    w.add_eos_token_id(vocab.eos)
+    if vocab.unk is not None:
+        w.add_unk_token_id(vocab.unk)
+    w.add_add_bos_token(vocab.add_bos)
+    w.add_add_eos_token(False)
+
+    # gemma scales the input embeddings by sqrt(n_embd): unit-variance rows
+    # would drown the layers' contributions
+    emb_std = 1.0 / np.sqrt(spec.n_embd) if spec.arch == "gemma3" else 1.0
+    w.add_tensor(_tensor_name(T.TOKEN_EMBD), (emb_std * rng.standard_normal((n_vocab, spec.n_embd))).astype(mat_dtype))
+    w.add_tensor(_tensor_name(T.OUTPUT_NORM), norm(spec.n_embd))
+    if not spec.tied_output:
+        w.add_tensor(_tensor_name(T.OUTPUT), mat(n_vocab, spec.n_embd, gain=3.0))
+    for i in range(spec.n_layer):
+        w.add_tensor(_tensor_name(T.ATTN_NORM, i), norm(spec.n_embd))
+        # larger q/k gain: peaked attention, so every head and position matters
+        w.add_tensor(_tensor_name(T.ATTN_Q, i), mat(n_q, spec.n_embd, gain=2.0))
+        w.add_tensor(_tensor_name(T.ATTN_K, i), mat(n_kv, spec.n_embd, gain=2.0))
+        w.add_tensor(_tensor_name(T.ATTN_V, i), mat(n_kv, spec.n_embd))
+        if spec.qkv_bias:
+            w.add_tensor(_tensor_name(T.ATTN_Q, i, "bias"), bias(n_q))
+            w.add_tensor(_tensor_name(T.ATTN_K, i, "bias"), bias(n_kv))
+            w.add_tensor(_tensor_name(T.ATTN_V, i, "bias"), bias(n_kv))
+        w.add_tensor(_tensor_name(T.ATTN_OUT, i), mat(spec.n_embd, n_q))
+        if spec.arch == "gemma3":
+            w.add_tensor(_tensor_name(T.ATTN_Q_NORM, i), norm(spec.head_dim))
+            w.add_tensor(_tensor_name(T.ATTN_K_NORM, i), norm(spec.head_dim))
+            w.add_tensor(_tensor_name(T.ATTN_POST_NORM, i), norm(spec.n_embd))
+            w.add_tensor(_tensor_name(T.FFN_POST_NORM, i), norm(spec.n_embd))
+        w.add_tensor(_tensor_name(T.FFN_NORM, i), norm(spec.n_embd))
+        w.add_tensor(_tensor_name(T.FFN_GATE, i), mat(spec.n_ff, spec.n_embd))
+        w.add_tensor(_tensor_name(T.FFN_UP, i), mat(spec.n_ff, spec.n_embd))
+        w.add_tensor(_tensor_name(T.FFN_DOWN, i), mat(spec.n_embd, spec.n_ff))
+
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def write_test_models(out_dir: Path, names: Iterable[str] | None = None) -> dict[str, Path]:
+    """Write the models named (default: all of :data:`SPECS`) into ``out_dir``."""
+    out_dir = Path(out_dir)
+    names = list(SPECS) if names is None else list(names)
+    unknown = [n for n in names if n not in SPECS]
+    if unknown:
+        raise ValueError(f"unknown test model(s) {unknown}; known: {sorted(SPECS)}")
+    return {n: write_model(SPECS[n], out_dir / SPECS[n].filename) for n in names}
+
+
+def ensure_test_models(cache_dir: Path, names: Iterable[str] | None = None) -> dict[str, Path]:
+    """The test models in a content-addressed cache under ``cache_dir``
+    (``<cache_dir>/<spec hash>/<name>.gguf``), generated on first use.  Safe
+    when several processes race (each file is written atomically)."""
+    cache_dir = Path(cache_dir)
+    names = list(SPECS) if names is None else list(names)
+    out = {}
+    for n in names:
+        spec = SPECS[n]
+        path = cache_dir / spec.cache_key() / spec.filename
+        if not path.is_file():
+            write_model(spec, path)
+        out[n] = path
+    return out
