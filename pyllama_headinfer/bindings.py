@@ -1,5 +1,9 @@
 """Loading the compiled cffi module ``_pyllama_headinfer_cffi``.
 
+The module is compiled in cffi's API mode against the patched llama.h, so
+struct layouts come from the C compiler and every declaration is checked
+against the header (see :mod:`pyllama_headinfer._cffi_build` for why).
+
 The module is built by ``python -m pyllama_headinfer build`` (which calls
 :func:`pyllama_headinfer._cffi_build.compile_extension`) into the build
 directory, next to the llama.cpp libraries it links against (by rpath).  It is

@@ -3,6 +3,7 @@ memory and state, and the checked errors (each leaves a live interpreter)."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -119,10 +120,13 @@ def test_check_gguf_accepts_test_models(llama, gguf_models):
 
 
 @pytest.mark.parametrize("frac", [float("nan"), -0.01, 1.01, 2, -1, "0.5", None, True, float("inf")])
-def test_bad_headinfer_frac(llama, model, frac):
+def test_bad_headinfer_frac(llama, model, frac, caplog):
+    caplog.set_level(logging.DEBUG, logger="pyllama_headinfer.llama")
     with pytest.raises(ValueError, match="headinfer_gpu_heads_frac") as info:
         llama.Context(model, n_ctx=64, headinfer_gpu_heads_frac=frac)
     assert repr(frac) in str(info.value) or str(frac) in str(info.value)
+    # rejected in Python: llama.cpp never saw it (it would log the context setup)
+    assert not [r for r in caplog.records if r.name == "pyllama_headinfer.llama"]
     alive(llama, model)
 
 
