@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Bit-exactness of the HeadInfer split on a GPU, and where the KV bytes live.
+
+    python -m pyllama_headinfer build            # CUDA when nvcc and a GPU are there
+    python scripts/gpu_check.py [--ngl 99] [--models DIR] [--fracs 0.75,0.5,0.25] [--types f16,q8_0]
+
+For each synthetic test model (written with the gguf package if --models is
+not given) and KV type, every scenario runs once unsplit (frac 1.0) and once
+per fraction, all layers offloaded, and must give the same tokens and the same
+logits, bit for bit:
+
+- greedy: a 40-token prompt, then 64 greedy tokens (logits at every step);
+- state: save the state, generate, restore it into a fresh context, generate again;
+- shift: seq_rm + seq_add (RoPE K-shift), seq_div, then generate;
+- streams: two KV streams (kv_unified = False), seq_cp across them, generate on the copy.
+
+Each split run also checks the residency report: the device buffers hold exactly
+g/n_head_kv of the unsplit bytes per layer and the host halves the rest.
+Prints one line per check and exits 1 if any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pyllama_headinfer import testing_models  # noqa: E402
+from pyllama_headinfer.llama import Context, Model  # noqa: E402
+
+N_PROMPT = 40
+N_GEN = 64
+
+
+def greedy_steps(ctx: Context, n: int, seq_id: int = 0, tokens=None, logits=None) -> tuple[list, list]:
+    """n greedy steps from the logits the last decode left; returns (tokens, logits)."""
+    tokens = [] if tokens is None else tokens
+    logits = [] if logits is None else logits
+    for _ in range(n):
+        row = ctx.logits(-1)
+        logits.append(row)
+        tok = int(np.argmax(row))
+        tokens.append(tok)
+        ctx.decode([tok], seq_id=seq_id)
+    return tokens, logits
+
+
+def scenario_greedy(ctx: Context, prompt: list) -> tuple[list, list]:
+    ctx.decode(prompt)
+    return greedy_steps(ctx, N_GEN)
+
+
+def scenario_state(ctx: Context, prompt: list, make_ctx) -> tuple[list, list]:
+    ctx.decode(prompt)
+    tokens, logits = greedy_steps(ctx, 8)
+    state = ctx.save_state()
+    greedy_steps(ctx, 8, tokens=tokens, logits=logits)
+    with make_ctx() as fresh:
+        fresh.load_state(state)
+        # a loaded state carries the KV cache only: re-decode the last token to get logits
+        fresh.seq_rm(0, len(prompt) + 7, -1)
+        fresh.decode([tokens[7]])
+        greedy_steps(fresh, 16, tokens=tokens, logits=logits)
+    return tokens, logits
+
+
+def scenario_shift(ctx: Context, prompt: list) -> tuple[list, list]:
+    ctx.decode(prompt)
+    ctx.seq_rm(0, 5, 15)
+    ctx.seq_add(0, 15, -1, -10)
+    ctx.decode([prompt[-1]])
+    tokens, logits = greedy_steps(ctx, 24)
+    ctx.seq_div(0, 0, -1, 2)
+    ctx.decode([tokens[-1]])
+    return greedy_steps(ctx, 16, tokens=tokens, logits=logits)
+
+
+def scenario_streams(ctx: Context, prompt: list) -> tuple[list, list]:
+    ctx.decode(prompt, seq_id=0)
+    ctx.seq_cp(0, 1)
+    ctx.decode([prompt[-1]], seq_id=1)
+    tokens, logits = greedy_steps(ctx, 24, seq_id=1)
+    ctx.seq_keep(1)
+    return greedy_steps(ctx, 8, seq_id=1, tokens=tokens, logits=logits)
+
+
+SCENARIOS = ("greedy", "state", "shift", "streams")
+
+
+def run(model: Model, scenario: str, frac: float, kv_type: str, prompt: list) -> tuple[list, list, dict]:
+    def make_ctx() -> Context:
+        return Context(model, n_ctx=256, n_batch=256, n_ubatch=256, flash_attn=True,
+                       type_k=kv_type, type_v=kv_type, n_seq_max=2 if scenario == "streams" else 1,
+                       kv_unified=False, headinfer_gpu_heads_frac=frac)
+
+    with make_ctx() as ctx:
+        report = ctx.kv_residency()
+        if scenario == "greedy":
+            tokens, logits = scenario_greedy(ctx, prompt)
+        elif scenario == "state":
+            tokens, logits = scenario_state(ctx, prompt, make_ctx)
+        elif scenario == "shift":
+            tokens, logits = scenario_shift(ctx, prompt)
+        else:
+            tokens, logits = scenario_streams(ctx, prompt)
+    return tokens, logits, report
+
+
+def residency_problems(report: dict, base: dict) -> list[str]:
+    """Device bytes must be exactly n_head_resident/n_head_kv of the unsplit bytes, host the rest."""
+    problems = []
+    layers = report["layers"]
+    split = [x for x in layers if x["n_head_resident"] < x["n_head_kv"]]
+    if not split:
+        problems.append("no layer was split")
+    host = {k: v for k, v in report["buffers"].items() if v["headinfer_host"]}
+    dev = {k: v for k, v in report["buffers"].items() if not v["headinfer_host"]}
+    base_total = sum(b["k"] + b["v"] for b in base["buffers"].values())
+    dev_total = sum(b["k"] + b["v"] for b in dev.values())
+    host_total = sum(b["k"] + b["v"] for b in host.values())
+    if dev_total + host_total != base_total:
+        problems.append(f"device + host = {dev_total + host_total} B != unsplit {base_total} B")
+    # every layer of the test models keeps the same share g/n of its heads: the device holds exactly that share
+    shares = {(x["n_head_resident"], x["n_head_kv"]) for x in layers}
+    if len(shares) == 1:
+        (g, n), = shares
+        if dev_total * n != base_total * g:
+            problems.append(f"device KV {dev_total} B is not {g}/{n} of the unsplit {base_total} B")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ngl", type=int, default=99, help="layers to offload (default: 99 = all)")
+    ap.add_argument("--models", type=Path, help="directory with the test models (default: write them to a temp dir)")
+    ap.add_argument("--fracs", default="0.75,0.5,0.25")
+    ap.add_argument("--types", default="f16,q8_0")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    args = ap.parse_args(argv)
+
+    models_dir = args.models or Path(tempfile.mkdtemp(prefix="headinfer-models-"))
+    paths = testing_models.write_test_models(models_dir) if args.models is None else {
+        p.stem: p for p in sorted(models_dir.glob("*.gguf"))}
+    fracs = [float(f) for f in args.fracs.split(",")]
+    failures = 0
+    for name, path in paths.items():
+        with Model(path, n_gpu_layers=args.ngl) as model:
+            prompt = model.tokenize(testing_models.CORPUS)[:N_PROMPT]
+            for kv_type in args.types.split(","):
+                for scenario in args.scenarios.split(","):
+                    base_tokens, base_logits, base_report = run(model, scenario, 1.0, kv_type, prompt)
+                    for frac in fracs:
+                        tokens, logits, report = run(model, scenario, frac, kv_type, prompt)
+                        same_logits = len(logits) == len(base_logits) and all(
+                            np.array_equal(a, b) for a, b in zip(logits, base_logits))
+                        problems = residency_problems(report, base_report)
+                        if tokens != base_tokens:
+                            problems.append("tokens differ")
+                        if not same_logits:
+                            diff = max(float(np.max(np.abs(a - b))) for a, b in zip(logits, base_logits))
+                            problems.append(f"logits differ (max |diff| {diff:.3g})")
+                        where = ", ".join(f"{k}: {(v['k'] + v['v']) / 2**20:.2f} MiB"
+                                          for k, v in report["buffers"].items())
+                        status = "ok  " if not problems else "FAIL"
+                        failures += bool(problems)
+                        print(f"{status} {name:12s} {kv_type:5s} {scenario:8s} frac={frac:.2f} "
+                              f"steps={len(logits):3d} [{where}] {'; '.join(problems)}", flush=True)
+    print(f"{failures} check(s) failed" if failures else "all checks passed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
