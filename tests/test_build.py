@@ -306,7 +306,7 @@ def test_load_manifest_without_build(tmp_path):
         B.load_manifest(tmp_path)
 
 
-def test_cli_dry_run(capsys, monkeypatch):
+def test_cli_dry_run(capsys, monkeypatch, restore_logging):
     monkeypatch.setattr(tc, "probe_cuda", _no_gpu)
     monkeypatch.delenv("CMAKE_ARGS", raising=False)
     assert cli.main(["build", "--dry-run", "--cmake-arg", "-DGGML_AVX512=ON", "-DGGML_LTO=ON"]) == 0
@@ -355,7 +355,7 @@ def fake_toolchain(tmp_path, monkeypatch):
     monkeypatch.delenv("CMAKE_ARGS", raising=False)
     src = tmp_path / "llama.cpp"
     (src / "include").mkdir(parents=True)
-    monkeypatch.setattr(B, "_prepare_source", lambda llama_src, allow: (src, "f" * 64))
+    monkeypatch.setattr(B, "_prepare_source", lambda llama_src, allow, say=None: (src, "f" * 64))
     return tmp_path
 
 
@@ -393,6 +393,40 @@ def test_fake_build_disk_full(fake_toolchain, monkeypatch):
 
 
 # --------------------------------------------------------------------------
+# a changed patch series: only what changed gets a new mtime (fake pin)
+
+
+def test_changed_series_is_swapped_keeping_unchanged_files(fake_pin, isolated_cache, tmp_path, monkeypatch):
+    tree = fake_pin.fresh_tree(tmp_path / "llama.cpp")
+    first = tmp_path / "series1"  # only the first patch
+    shutil.copytree(fake_pin.patches, first)
+    names = patches.read_series_names(fake_pin.patches)
+    (first / "series").write_text(names[0] + "\n")
+    monkeypatch.setenv(paths.PATCHES_ENV, str(first))
+    said = []
+    got, h1 = B._prepare_source(tree, False, said.append)
+    assert got == tree.resolve() and h1 == patches.series_hash(first)
+    assert patches.status(tree).state == patches.State.APPLIED
+    old = 1_000_000_000 * 1_500_000_000  # 2017: older than anything a build makes
+    for rel in ("src/core.c", "src/headinfer.c", "include/hi/headinfer.h", "README.md"):
+        os.utime(tree / rel, ns=(old, old))
+    # no change: nothing touched
+    B._prepare_source(tree, False, said.append)
+    assert (tree / "src/core.c").stat().st_mtime_ns == old and not said
+
+    monkeypatch.setenv(paths.PATCHES_ENV, str(fake_pin.patches))  # the series grows a patch
+    _, h2 = B._prepare_source(tree, False, said.append)
+    assert h2 != h1 and patches.status(tree).state == patches.State.APPLIED
+    assert said and "patch series changed" in said[0]
+    # untouched by the second patch: old mtimes kept; changed by it: new
+    assert (tree / "src/headinfer.c").stat().st_mtime_ns == old
+    assert (tree / "include/hi/headinfer.h").stat().st_mtime_ns == old
+    assert (tree / "src/core.c").stat().st_mtime_ns > old
+    assert (tree / "README.md").stat().st_mtime_ns > old
+    assert not (tree / "docs/old.txt").exists()
+
+
+# --------------------------------------------------------------------------
 # the real CPU build (shared with .ci/run)
 
 
@@ -407,6 +441,17 @@ def built():
         except BuildError:
             B.build(build_dir=d, cuda=False)
     return d
+
+
+@pytest.fixture
+def restore_logging():
+    """cli.main() configures the package logger; give other modules' caplog tests a clean one back."""
+    import logging
+
+    logger = logging.getLogger("pyllama_headinfer")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    logger.handlers[:], logger.propagate, logger.level = saved[0], saved[1], saved[2]
 
 
 @pytest.fixture
@@ -483,7 +528,7 @@ def test_noop_rebuild_is_up_to_date(built, real_cache):
     assert B.load_manifest(built)["up_to_date"] is True
 
 
-def test_failing_configure_gives_a_clear_error(real_cache, tmp_path, capsys):
+def test_failing_configure_gives_a_clear_error(real_cache, tmp_path, capsys, restore_logging):
     d = tmp_path / "bad"
     rc = cli.main(["build", "--no-cuda", "--no-bindings", "--build-dir", str(d),
                    "--cmake-arg=-DCMAKE_C_COMPILER=/nonexistent"])
