@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
 STATE_NAME = ".pyllama-configure.json"  # what the last successful configure used
 LOCK_NAME = ".lock"
 LOG_NAME = "build.log"
@@ -739,7 +739,7 @@ def _manifest(plan: BuildPlan, source_tree: Path, series_hash: str, cmake: tc.To
         "cmake_options": dict(plan.options),
         "cmake_configure": configure_argv,
         "compilers": compilers,
-        "tools": {
+        "build_tools": {
             "cmake": cmake.as_dict(),
             "ninja": ninja.as_dict(),
             "ccache": tc.find_ccache() if cmake_truthy(plan.options.get("GGML_CCACHE", "ON")) else None,
@@ -836,17 +836,14 @@ def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch,
             state = _read_json(d / STATE_NAME) or {}
             phonies = phony_outputs(d)
             libs = library_targets(phonies)
-            if "llama" not in libs:
-                raise BuildError(f"CMake produced no `llama` library target in {d}/build.ninja; "
-                                 f"see {log_path}, or rebuild from scratch with --fresh.")
-            targets = list(libs) + ([t for t in TOOL_TARGETS if t in phonies] if tools else [])
+            targets = _select_targets(d, phonies, libs, tools, log_path, say)
             steps, no_work = _compile(d, ninja, targets, jobs, log, log_path, run_env, echo, out, say)
 
         up_to_date = no_work and not configured
-        fingerprint = _bindings_fingerprint(source_tree, series_hash) if bindings else None
         manifest = _manifest(plan, source_tree, series_hash, cmake, ninja, state.get("argv", []), phonies, libs,
                              time.monotonic() - start, up_to_date, steps)
         if bindings:
+            fingerprint = _bindings_fingerprint(source_tree, series_hash)
             manifest["bindings"] = _build_bindings(plan, source_tree, d / "bin", previous_manifest,
                                                    not no_work, fingerprint, say)
             manifest["bindings_fingerprint"] = fingerprint if manifest["bindings"] else None
@@ -854,14 +851,34 @@ def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch,
         _write_json(d / MANIFEST_NAME, manifest)
 
     seconds = time.monotonic() - start
+    _report(say, d, manifest, waited=waited, no_work=no_work, configured=configured, steps=steps, seconds=seconds)
+    return BuildResult(d, manifest, up_to_date, configured, steps, seconds)
+
+
+def _select_targets(d: Path, phonies: Mapping[str, str], libs: Mapping[str, str], tools: bool,
+                    log_path: Path, say) -> List[str]:
+    if "llama" not in libs:
+        raise BuildError(f"CMake produced no `llama` library target in {d}/build.ninja; "
+                         f"see {log_path}, or configure again from scratch with --fresh.")
+    targets = list(libs)
+    if tools:
+        targets += [t for t in TOOL_TARGETS if t in phonies]
+        missing = [t for t in TOOL_TARGETS if t not in phonies]
+        if missing:
+            say(f"warning: no target {', '.join(missing)} in this configuration; not built.")
+    return targets
+
+
+def _report(say, d: Path, manifest: dict, *, waited: float, no_work: bool, configured: bool, steps: int,
+            seconds: float) -> None:
     if waited >= 1:
         say(f"(Waited {_fmt_seconds(waited)} for the other build of {d}.)")
-    if up_to_date:
-        say(f"Up to date: nothing to compile ({_fmt_seconds(seconds)}). Manifest: {d / MANIFEST_NAME}")
+    if no_work:
+        again = " (CMake configured again)" if configured else ""
+        say(f"Up to date: nothing to compile{again} ({_fmt_seconds(seconds)}). Manifest: {d / MANIFEST_NAME}")
     else:
         names = ", ".join(os.path.basename(p) for p in manifest["libraries"].values())
         say(f"Built {names} in {_fmt_seconds(seconds)} ({steps} steps). Manifest: {d / MANIFEST_NAME}")
-    return BuildResult(d, manifest, up_to_date, configured, steps, seconds)
 
 
 def _configure_if_needed(plan, source_tree, cmake, ninja, fresh, log, log_path, run_env, echo, say) -> bool:
@@ -879,7 +896,8 @@ def _configure_if_needed(plan, source_tree, cmake, ninja, fresh, log, log_path, 
     rc = _run_logged(argv + _unset_dropped(plan, previous), log, cwd=d, echo=echo, env=run_env)
     if rc != 0:
         raise _fail("Configuring llama.cpp with CMake", rc, log_path, say,
-                    "Check the --cmake-arg/-D options and $CMAKE_ARGS. ")
+                    "Check the -D/--cmake-arg options and $CMAKE_ARGS; --fresh configures this "
+                    "directory from scratch. ")
     _write_json(d / STATE_NAME, {"source_tree": str(source_tree), "argv": argv, "options": plan.options})
     return True
 

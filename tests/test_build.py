@@ -472,7 +472,7 @@ def test_manifest(built):
     assert Path(m["source_tree"]).is_dir()
     assert m["compilers"]["c"]["version"] and m["compilers"]["cxx"]["version"]
     assert m["cmake_options"]["BUILD_SHARED_LIBS"] == "ON"
-    assert m["tools"]["cmake"]["version"] and m["tools"]["ninja"]["version"]
+    assert m["build_tools"]["cmake"]["version"] and m["build_tools"]["ninja"]["version"]
     assert m["duration_s"] >= 0 and m["built_at"]
 
 
