@@ -635,13 +635,16 @@ class Context:
         self.n_batch = int(lib.llama_n_batch(ptr))
         self.n_ubatch = int(lib.llama_n_ubatch(ptr))
         self.n_seq_max = int(lib.llama_n_seq_max(ptr))
+        self.kv_unified = bool(p.kv_unified)  # False with n_seq_max > 1: one KV stream per sequence
+        self.type_k, self.type_v = str(type_k).lower(), str(type_v).lower()
         self.n_vocab = model.n_vocab
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
         self._batch_cap = self.n_batch
         # what the last decode left in llama.cpp's output buffer
-        self._out_mode = None  # None | "last" | "all" | "none"
+        self._out_mode = None  # None | "last" | "all" | "none" | "batch"
         self._out_n = 0  # tokens in the last llama_decode call
         self._all_logits: np.ndarray | None = None  # "all" over several batches
+        self._out_rows: set = set()  # batch indices with logits after decode_batch()
 
     def _kv_type(self, name: str, value: str):
         try:
@@ -765,6 +768,66 @@ class Context:
             self._out_n = m
         self._out_mode = logits
 
+    def decode_batch(self, seqs) -> dict[int, int]:
+        """Evaluate tokens of several sequences in one ``llama_batch`` (one
+        ``llama_decode`` call), e.g. parallel generation for several prompts.
+
+        ``seqs``: ``{seq_id: tokens}`` (or ``(seq_id, tokens)`` pairs); each
+        sequence's tokens are appended after its current end.  All tokens
+        together must fit into ``n_batch``.  The last token of every sequence
+        gets logits; returns ``{seq_id: batch index}`` for :meth:`logits` and
+        :meth:`Sampler.sample`.
+        """
+        ptr = self._ptr()
+        items = list(seqs.items()) if hasattr(seqs, "items") else list(seqs)
+        if not items:
+            raise ValueError("decode_batch() needs at least one sequence")
+        plan, seen, total = [], set(), 0
+        for seq_id, tokens in items:
+            seq_id = self._check_seq(seq_id)
+            if seq_id in seen:
+                raise ValueError(f"sequence {seq_id} appears twice in the batch")
+            seen.add(seq_id)
+            arr = self.model.check_tokens(tokens)
+            if len(arr) == 0:
+                raise ValueError(f"decode_batch(): no tokens for sequence {seq_id}")
+            pos0 = self.n_tokens(seq_id)
+            if pos0 + len(arr) > self.n_ctx_seq:
+                raise ContextOverflowError(
+                    f"{len(arr)} tokens at position {pos0} of sequence {seq_id} do not fit into the context "
+                    f"(n_ctx={self.n_ctx}" + (f", {self.n_ctx_seq} per sequence" if self.n_ctx_seq != self.n_ctx
+                                             else "") + ")")
+            plan.append((seq_id, arr, pos0))
+            total += len(arr)
+        if total > self._batch_cap:
+            raise ValueError(f"decode_batch(): {total} tokens do not fit into one batch (n_batch={self._batch_cap})")
+        ffi, lib, batch = self._ffi, self._lib, self._batch
+        self._out_mode, self._out_n, self._all_logits = None, 0, None
+        tok = np.frombuffer(ffi.buffer(batch.token, total * 4), dtype=np.int32)
+        pos = np.frombuffer(ffi.buffer(batch.pos, total * 4), dtype=np.int32)
+        np.frombuffer(ffi.buffer(batch.n_seq_id, total * 4), dtype=np.int32)[:] = 1
+        out = np.frombuffer(ffi.buffer(batch.logits, total), dtype=np.int8)
+        out[:] = 0
+        rows, i = {}, 0
+        for seq_id, arr, pos0 in plan:
+            m = len(arr)
+            tok[i:i + m] = arr
+            pos[i:i + m] = np.arange(pos0, pos0 + m, dtype=np.int32)
+            for j in range(i, i + m):
+                batch.seq_id[j][0] = seq_id
+            out[i + m - 1] = 1
+            rows[seq_id] = i + m - 1
+            i += m
+        batch.n_tokens = total
+        with bindings.capture_log() as log:
+            rc = int(lib.llama_decode(ptr, batch))
+        if rc != 0:
+            raise DecodeError(self._decode_message(rc, 0, log), rc)
+        self._out_n = total
+        self._out_rows = set(rows.values())
+        self._out_mode = "batch"
+        return rows
+
     @staticmethod
     def _decode_message(rc: int, start: int, log) -> str:
         what = {1: "no KV cache slot for the batch (context full)", 2: "aborted",
@@ -783,6 +846,9 @@ class Context:
             raise IndexError(f"only the last token has logits (decode with logits='all' for more); got index {i}")
         if mode == "all" and not -self._out_n <= i < self._out_n:
             raise IndexError(f"logits index {i} out of range for the last batch of {self._out_n} tokens")
+        if mode == "batch" and i not in self._out_rows:
+            raise IndexError(f"no logits for batch index {i}: the last decode_batch() computed logits for "
+                             f"indices {sorted(self._out_rows)}")
         with bindings.capture_log() as log:
             p = self._lib.llama_get_logits_ith(ptr, int(i))
         if p == self._ffi.NULL:
@@ -869,8 +935,16 @@ class Context:
                                                   int(p0), int(p1)))
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Copy positions [p0, p1) of ``src`` into ``dst`` (-1: open range).
+        With one KV stream per sequence (``kv_unified=False``) only whole
+        sequences can be copied (llama.cpp aborts otherwise): ValueError."""
         self._ptr()
-        self._lib.llama_memory_seq_cp(self._mem, self._check_seq(src), self._check_seq(dst), int(p0), int(p1))
+        src, dst = self._check_seq(src), self._check_seq(dst)
+        if not self.kv_unified and self.n_seq_max > 1 and src != dst and (
+                0 < int(p0) < self.n_ctx_seq - 1 or 0 < int(p1) < self.n_ctx_seq - 1):
+            raise ValueError(f"seq_cp({src}, {dst}, {p0}, {p1}): with kv_unified=False a sequence can only be "
+                             "copied whole (p0 = p1 = -1)")
+        self._lib.llama_memory_seq_cp(self._mem, src, dst, int(p0), int(p1))
 
     def seq_keep(self, seq_id: int) -> None:
         self._ptr()
@@ -879,6 +953,10 @@ class Context:
     def _check_shift(self, what: str) -> None:
         if not self._lib.llama_memory_can_shift(self._mem):
             raise ContextError(f"{what}: this context's memory does not support position shifts")
+        if self.type_k == "bf16":
+            # the K-shift applies RoPE to the cache in place; ggml's RoPE has no BF16 kernel (it aborts)
+            raise ContextError(f"{what}: a K-shift of a bf16 K cache is not supported by llama.cpp at this "
+                               "version (RoPE has no BF16 kernel); use type_k='f16'")
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         """Add ``delta`` to the positions in [p0, p1) of ``seq_id``."""
@@ -970,6 +1048,37 @@ class Context:
         self._out_mode, self._all_logits, self._out_n = None, None, 0
         if not ok:
             raise StateError(f"could not load the state from {path}: {_log_tail(log) or 'no reason given'}")
+        return list(out[0:int(n_out[0])])
+
+    def save_seq_state_file(self, path: str | os.PathLike, seq_id: int = 0, tokens: Sequence[int] = ()) -> int:
+        """Save sequence ``seq_id``'s state and ``tokens`` to ``path``
+        (``llama_state_seq_save_file``); returns the bytes written."""
+        ptr, ffi = self._ptr(), self._ffi
+        seq_id = self._check_seq(seq_id)
+        arr = self.model.check_tokens(tokens)
+        toks = ffi.from_buffer("llama_token[]", arr) if arr.size else ffi.NULL
+        with bindings.capture_log() as log:
+            n = int(self._lib.llama_state_seq_save_file(ptr, os.fsencode(os.fspath(path)), seq_id, toks, len(arr)))
+        if n == 0:
+            raise StateError(f"could not save sequence {seq_id} to {path}: {_log_tail(log) or 'no reason given'}")
+        return n
+
+    def load_seq_state_file(self, path: str | os.PathLike, seq_id: int = 0) -> list[int]:
+        """Restore a sequence saved by :meth:`save_seq_state_file` into
+        ``seq_id`` (replacing it); return its tokens."""
+        ptr, ffi = self._ptr(), self._ffi
+        seq_id = self._check_seq(seq_id)
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(errno.ENOENT, "sequence state file not found", path)
+        cap = self.n_ctx
+        out = ffi.new("llama_token[]", max(cap, 1))
+        n_out = ffi.new("size_t *")
+        with bindings.capture_log() as log:
+            n = int(self._lib.llama_state_seq_load_file(ptr, os.fsencode(path), seq_id, out, cap, n_out))
+        self._out_mode, self._all_logits, self._out_n = None, None, 0
+        if n == 0:
+            raise StateError(f"could not load sequence state from {path}: {_log_tail(log) or 'no reason given'}")
         return list(out[0:int(n_out[0])])
 
     # -- HeadInfer --------------------------------------------------------- #

@@ -384,3 +384,180 @@ def ensure_test_models(cache_dir: Path, names: Iterable[str] | None = None) -> d
             write_model(spec, path)
         out[n] = path
     return out
+
+
+# --------------------------------------------------------------------------- #
+# extra models (appended; the specs above and their cached bytes are unchanged)
+# --------------------------------------------------------------------------- #
+#
+# Models for the cases where the HeadInfer split must stay off:
+#
+# - ``llama-mqa``   : ``llama`` with a single KV head (MQA), 8 query heads, head
+#   size 64, 2 layers: no layer can be split (at least one head on each side).
+# - ``jamba-hybrid``: ``jamba``, a hybrid memory (``llama_memory_hybrid``):
+#   Mamba layers 0 and 2 (recurrent state), attention layers 1 and 3 with
+#   4 query / 2 KV heads of size 64 and no RoPE.  Its attention KV cache lives
+#   inside the hybrid memory, which ignores the fraction.
+# - ``mamba``       : ``mamba``, 2 Mamba layers, purely recurrent memory.
+#
+# They are not in :data:`SPECS` (whose every entry is a llama.cpp attention
+# model the other tests iterate over); use :func:`ensure_extra_models`.
+
+@dataclass(frozen=True)
+class RecurrentSpec:
+    """A Mamba (``arch="mamba"``) or Jamba (``arch="jamba"``) model: the layers
+    listed in ``attn_layers`` are attention layers (Jamba only), the others
+    Mamba layers with ``d_inner = 2 * n_embd`` (llama.cpp supports only that)."""
+    name: str
+    arch: str  # "mamba" or "jamba"
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    n_ff: int = 0  # jamba: dense FFN after every layer; mamba has none
+    attn_layers: tuple = ()
+    n_head: int = 0
+    n_head_kv: int = 0
+    d_conv: int = 4
+    d_state: int = 16
+    dt_rank: int = 16
+    n_ctx_train: int = 4096
+    seed: int = 1234
+
+    def cache_key(self) -> str:
+        payload = json.dumps({"v": GENERATOR_VERSION, "spec": asdict(self), "corpus": CORPUS}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.gguf"
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head if self.n_head else 0
+
+
+EXTRA_SPECS: dict = {
+    s.name: s
+    for s in (
+        ModelSpec(name="llama-mqa", arch="llama", n_layer=2, n_embd=256, n_head=8, n_head_kv=1, head_dim=64,
+                  n_ff=512, tokenizer="spm", n_vocab=512, dtype="f16", seed=1011),
+        RecurrentSpec(name="jamba-hybrid", arch="jamba", n_layer=4, n_embd=256, n_vocab=512, n_ff=512,
+                      attn_layers=(1, 3), n_head=4, n_head_kv=2, seed=1012),
+        RecurrentSpec(name="mamba", arch="mamba", n_layer=2, n_embd=256, n_vocab=512, seed=1013),
+    )
+}
+
+
+def write_recurrent_model(spec: RecurrentSpec, path: Path) -> Path:
+    """Write a :class:`RecurrentSpec` as a GGUF file at ``path`` (atomically), F32 weights."""
+    import gguf
+    from gguf import MODEL_TENSOR as T
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(spec.seed)
+    vocab = spm_vocab(spec.n_vocab)
+    n_vocab = len(vocab.tokens)
+    d_inner = 2 * spec.n_embd
+
+    def mat(n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((n_out, n_in)) * (gain / np.sqrt(n_in))).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), spec.arch)
+    w.add_name(f"pyllama-headinfer test model {spec.name}")
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_context_length(spec.n_ctx_train)
+    w.add_embedding_length(spec.n_embd)
+    w.add_block_count(spec.n_layer)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv([spec.n_head_kv if i in spec.attn_layers else 0 for i in range(spec.n_layer)]
+                        if spec.attn_layers else 0)
+    w.add_ssm_conv_kernel(spec.d_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(spec.d_state)
+    w.add_ssm_time_step_rank(spec.dt_rank)
+    w.add_layer_norm_rms_eps(1e-6)
+
+    w.add_tokenizer_model(vocab.model)
+    w.add_token_list(vocab.tokens)
+    w.add_token_scores(vocab.scores)
+    w.add_token_types(vocab.types)
+    w.add_bos_token_id(vocab.bos)
+    w.add_eos_token_id(vocab.eos)
+    w.add_unk_token_id(vocab.unk)
+    w.add_add_bos_token(vocab.add_bos)
+    w.add_add_eos_token(False)
+
+    w.add_tensor(_tensor_name(T.TOKEN_EMBD), rng.standard_normal((n_vocab, spec.n_embd)).astype(np.float32))
+    w.add_tensor(_tensor_name(T.OUTPUT_NORM), norm(spec.n_embd))
+    w.add_tensor(_tensor_name(T.OUTPUT), mat(n_vocab, spec.n_embd, gain=3.0))
+    n_kv = spec.n_head_kv * spec.head_dim
+    for i in range(spec.n_layer):
+        w.add_tensor(_tensor_name(T.ATTN_NORM, i), norm(spec.n_embd))
+        if i in spec.attn_layers:
+            w.add_tensor(_tensor_name(T.ATTN_Q, i), mat(spec.n_embd, spec.n_embd, gain=2.0))
+            w.add_tensor(_tensor_name(T.ATTN_K, i), mat(n_kv, spec.n_embd, gain=2.0))
+            w.add_tensor(_tensor_name(T.ATTN_V, i), mat(n_kv, spec.n_embd))
+            w.add_tensor(_tensor_name(T.ATTN_OUT, i), mat(spec.n_embd, spec.n_embd))
+        else:
+            # ggml shapes (ne) reversed: ssm_in {n_embd, 2*d_inner}, conv1d {d_conv, d_inner}, ...
+            w.add_tensor(_tensor_name(T.SSM_IN, i), mat(2 * d_inner, spec.n_embd))
+            w.add_tensor(_tensor_name(T.SSM_CONV1D, i),
+                         (rng.standard_normal((d_inner, spec.d_conv)) / np.sqrt(spec.d_conv)).astype(np.float32))
+            w.add_tensor(_tensor_name(T.SSM_CONV1D, i, "bias"), (0.1 * rng.standard_normal(d_inner)).astype(np.float32))
+            w.add_tensor(_tensor_name(T.SSM_X, i), mat(spec.dt_rank + 2 * spec.d_state, d_inner))
+            w.add_tensor(_tensor_name(T.SSM_DT, i), mat(d_inner, spec.dt_rank))
+            w.add_tensor(_tensor_name(T.SSM_DT, i, "bias"), (-2.0 + 0.5 * rng.standard_normal(d_inner)).astype(np.float32))
+            if spec.arch == "jamba":
+                w.add_tensor(_tensor_name(T.SSM_DT_NORM, i), norm(spec.dt_rank))
+                w.add_tensor(_tensor_name(T.SSM_B_NORM, i), norm(spec.d_state))
+                w.add_tensor(_tensor_name(T.SSM_C_NORM, i), norm(spec.d_state))
+            # A = -exp(A_log) with the usual A_log = log(1..d_state); D = 1 (no "weight" suffix)
+            a = -np.tile(np.arange(1, spec.d_state + 1, dtype=np.float32), (d_inner, 1))
+            w.add_tensor(gguf.TENSOR_NAMES[T.SSM_A].format(bid=i), a)
+            w.add_tensor(gguf.TENSOR_NAMES[T.SSM_D].format(bid=i), np.ones(d_inner, dtype=np.float32))
+            w.add_tensor(_tensor_name(T.SSM_OUT, i), mat(spec.n_embd, d_inner))
+        if spec.n_ff:
+            w.add_tensor(_tensor_name(T.FFN_NORM, i), norm(spec.n_embd))
+            w.add_tensor(_tensor_name(T.FFN_GATE, i), mat(spec.n_ff, spec.n_embd))
+            w.add_tensor(_tensor_name(T.FFN_UP, i), mat(spec.n_ff, spec.n_embd))
+            w.add_tensor(_tensor_name(T.FFN_DOWN, i), mat(spec.n_embd, spec.n_ff))
+
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def write_extra_model(spec, path: Path) -> Path:
+    if isinstance(spec, RecurrentSpec):
+        return write_recurrent_model(spec, path)
+    return write_model(spec, path)
+
+
+def ensure_extra_models(cache_dir: Path, names: Iterable[str] | None = None) -> dict[str, Path]:
+    """Like :func:`ensure_test_models`, for :data:`EXTRA_SPECS`."""
+    cache_dir = Path(cache_dir)
+    names = list(EXTRA_SPECS) if names is None else list(names)
+    unknown = [n for n in names if n not in EXTRA_SPECS]
+    if unknown:
+        raise ValueError(f"unknown extra test model(s) {unknown}; known: {sorted(EXTRA_SPECS)}")
+    out = {}
+    for n in names:
+        spec = EXTRA_SPECS[n]
+        path = cache_dir / spec.cache_key() / spec.filename
+        if not path.is_file():
+            write_extra_model(spec, path)
+        out[n] = path
+    return out
