@@ -192,6 +192,46 @@ def _install_logging(ffi, lib) -> None:
 # loading
 # --------------------------------------------------------------------------- #
 
+def _check_sanitizer_runtime(manifest: dict) -> None:
+    """A sanitizer build aborts the interpreter when its runtime was not
+    loaded first (ASan insists on coming first in the library list); say so
+    instead of dying."""
+    sanitizer = manifest.get("sanitize")
+    if not sanitizer:
+        return
+    import ctypes
+
+    if not hasattr(ctypes.CDLL(None), "__asan_init" if sanitizer == "address" else "__tsan_init"):
+        preload = " ".join(manifest.get("sanitizer_preload") or []) or "the sanitizer runtime"
+        raise BuildError(
+            f"the build in {manifest.get('build_dir')} was made with --sanitize {sanitizer}: run Python with "
+            f"LD_PRELOAD={preload} (see docs/SANITIZERS.md), or select another build with "
+            f"${ENV_BUILD_DIR}")
+
+
+def _preload_libstdcxx() -> None:
+    """Make the C++ runtime's symbols global before libllama is loaded.
+
+    A C++ program has libstdc++ in its global symbol scope, so libllama's
+    references to libstdc++ templates resolve there. Python is a C program:
+    the extension's dependencies are searched in load order instead, and a
+    CUDA build's libggml-cuda.so exports its own instantiations of some of
+    them (e.g. ``std::ostream::_M_insert<long>``), which libllama then calls
+    -- and crashes in (seen on an H200 with CUDA 13: SIGSEGV in
+    ``llama_model::print_info`` while loading any model; gone with
+    libstdc++ preloaded). Loading libstdc++ with RTLD_GLOBAL first gives
+    Python the symbol order of a C++ program.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("stdc++") or "libstdc++.so.6"
+    try:
+        ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+    except OSError:  # not a GNU toolchain (e.g. libc++): nothing to preload
+        pass
+
+
 def _import_extension(path: Path):
     name = _cffi_build.MODULE_NAME
     if name in sys.modules:
@@ -200,6 +240,8 @@ def _import_extension(path: Path):
             raise BuildError(f"{name} is already loaded from {mod.__file__}; cannot also load {path} "
                              "in the same process")
         return mod
+    if sys.platform.startswith("linux"):
+        _preload_libstdcxx()
     spec = importlib.util.spec_from_file_location(name, str(path))
     if spec is None or spec.loader is None:
         raise NotBuiltError(f"cannot load the extension module {path}; {REBUILD_HINT}")
@@ -249,6 +291,7 @@ def load():
         if _loaded is not None:
             return _loaded
         bdir, manifest = load_manifest()
+        _check_sanitizer_runtime(manifest)
         path = extension_path(bdir, manifest)
         if not path.is_file():
             raise NotBuiltError(f"the cffi extension {path} is missing (incomplete build); {REBUILD_HINT}")

@@ -363,9 +363,12 @@ def _find_manifest() -> dict:
     found = sorted(root.glob(f"*/{MANIFEST_NAME}"), key=lambda p: p.stat().st_mtime, reverse=True)
     for path in found:
         try:
-            return _checked_manifest(path.parent)
+            data = _checked_manifest(path.parent)
         except BuildError:
             continue
+        # a sanitizer build only loads with its runtime preloaded: never pick one implicitly
+        if not data.get("sanitize"):
+            return data
     raise BuildError(f"No llama.cpp build found under {root}. Run `python -m pyllama_headinfer build` first.")
 
 
@@ -476,8 +479,14 @@ def _needs_configure(plan: BuildPlan, source_tree: Path, argv: List[str], fresh:
         return "no record of the last configure"
     if state.get("source_tree") != str(source_tree):
         return f"source tree changed (was {state.get('source_tree')})"
-    if state.get("argv") != argv:
-        return "CMake options changed"
+    old = state.get("argv") or []
+    if old != argv:
+        if old[:1] != argv[:1]:
+            return f"another cmake: {argv[0]} (was {old[0] if old else 'unknown'})"
+        added = [a for a in argv if a not in old]
+        removed = [a for a in old if a not in argv]
+        changes = ", ".join([f"+{a}" for a in added] + [f"-{a}" for a in removed])
+        return f"CMake options changed: {changes}"
     return None
 
 
@@ -806,11 +815,13 @@ def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch,
                       build_type=build_type, tools=tools, build_dir=build_dir, env=env)
     for note in plan.notes:
         say(note)
-    cmake = tc.find_cmake(tc.CMAKE_MIN_CUDA if plan.backend == "cuda" else tc.CMAKE_MIN_CPU)
-    ninja = tc.find_ninja()
+    d = plan.build_dir
+    configured_with = _read_json(d / STATE_NAME) or {}
+    cmake = tc.find_cmake(tc.CMAKE_MIN_CUDA if plan.backend == "cuda" else tc.CMAKE_MIN_CPU,
+                          prefer=configured_with.get("cmake"))
+    ninja = tc.find_ninja(prefer=configured_with.get("ninja"))
     tc.check_compilers(plan.options)
 
-    d = plan.build_dir
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -898,7 +909,8 @@ def _configure_if_needed(plan, source_tree, cmake, ninja, fresh, log, log_path, 
         raise _fail("Configuring llama.cpp with CMake", rc, log_path, say,
                     "Check the -D/--cmake-arg options and $CMAKE_ARGS; --fresh configures this "
                     "directory from scratch. ")
-    _write_json(d / STATE_NAME, {"source_tree": str(source_tree), "argv": argv, "options": plan.options})
+    _write_json(d / STATE_NAME, {"source_tree": str(source_tree), "argv": argv, "options": plan.options,
+                                 "cmake": cmake.path, "ninja": ninja.path})
     return True
 
 
