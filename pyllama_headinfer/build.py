@@ -816,10 +816,9 @@ def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch,
     for note in plan.notes:
         say(note)
     d = plan.build_dir
-    configured_with = _read_json(d / STATE_NAME) or {}
-    cmake = tc.find_cmake(tc.CMAKE_MIN_CUDA if plan.backend == "cuda" else tc.CMAKE_MIN_CPU,
-                          prefer=configured_with.get("cmake"))
-    ninja = tc.find_ninja(prefer=configured_with.get("ninja"))
+    prefer_cmake, prefer_ninja = (None, None) if fresh else _configured_tools(d)
+    cmake = tc.find_cmake(tc.CMAKE_MIN_CUDA if plan.backend == "cuda" else tc.CMAKE_MIN_CPU, prefer=prefer_cmake)
+    ninja = tc.find_ninja(prefer=prefer_ninja)
     tc.check_compilers(plan.options)
 
     try:
@@ -864,6 +863,14 @@ def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch,
     seconds = time.monotonic() - start
     _report(say, d, manifest, waited=waited, no_work=no_work, configured=configured, steps=steps, seconds=seconds)
     return BuildResult(d, manifest, up_to_date, configured, steps, seconds)
+
+
+def _configured_tools(d: Path) -> Tuple[Optional[str], Optional[str]]:
+    """The cmake and ninja the directory was configured with (kept while they work; see find_tool)."""
+    state = _read_json(d / STATE_NAME) or {}
+    argv = state.get("argv") or []
+    ninja = next((a.split("=", 1)[1] for a in argv if a.startswith("-DCMAKE_MAKE_PROGRAM=")), None)
+    return state.get("cmake") or (argv[0] if argv else None), state.get("ninja") or ninja
 
 
 def _select_targets(d: Path, phonies: Mapping[str, str], libs: Mapping[str, str], tools: bool,
@@ -980,7 +987,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_g = parser.add_argument_group("running")
     run_g.add_argument("-j", "--jobs", type=int, metavar="N", help="parallel compile jobs (default: ninja's)")
     run_g.add_argument("--fresh", action="store_true",
-                       help="forget the CMake cache and configure again (objects are kept when unchanged)")
+                       help="forget the CMake cache (and the cmake/ninja this directory was configured with) and "
+                            "configure again; objects whose compile command is unchanged are kept")
     run_g.add_argument("--no-wait", dest="wait", action="store_false",
                        help="fail instead of waiting when another build holds the build directory")
     run_g.add_argument("--no-bindings", dest="bindings", action="store_false",

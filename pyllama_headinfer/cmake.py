@@ -80,10 +80,21 @@ def _candidates(name: str, module: str, attr: str) -> List[str]:
     return seen
 
 
-def find_tool(name: str, module: str, attr: str, minimum: Version) -> Tool:
-    """The first of PATH's ``name`` and the PyPI wheel's that is new enough."""
+def find_tool(name: str, module: str, attr: str, minimum: Version, prefer: Optional[str] = None) -> Tool:
+    """The first of ``prefer``, PATH's ``name`` and the PyPI wheel's that is new enough.
+
+    ``prefer`` is the one a build directory was configured with: keeping it
+    avoids a reconfigure (and, with another CMake version, a full rebuild)
+    just because PATH differs between two runs (an activated venv or not).
+    """
     found = []
-    for path in _candidates(name, module, attr):
+    candidates = _candidates(name, module, attr)
+    if prefer and os.path.isfile(prefer) and prefer not in candidates:
+        candidates.insert(0, prefer)
+    elif prefer in candidates:
+        candidates.remove(prefer)
+        candidates.insert(0, prefer)
+    for path in candidates:
         version = _run_version(path)
         found.append((path, version))
         if version is not None and version >= minimum:
@@ -100,12 +111,12 @@ def find_tool(name: str, module: str, attr: str, minimum: Version) -> Tool:
     )
 
 
-def find_cmake(minimum: Version = CMAKE_MIN_CPU) -> Tool:
-    return find_tool("cmake", "cmake", "CMAKE_BIN_DIR", minimum)
+def find_cmake(minimum: Version = CMAKE_MIN_CPU, prefer: Optional[str] = None) -> Tool:
+    return find_tool("cmake", "cmake", "CMAKE_BIN_DIR", minimum, prefer)
 
 
-def find_ninja(minimum: Version = NINJA_MIN) -> Tool:
-    return find_tool("ninja", "ninja", "BIN_DIR", minimum)
+def find_ninja(minimum: Version = NINJA_MIN, prefer: Optional[str] = None) -> Tool:
+    return find_tool("ninja", "ninja", "BIN_DIR", minimum, prefer)
 
 
 def find_ccache() -> Optional[str]:

@@ -220,7 +220,10 @@ def test_reconfigure_only_when_options_change(tmp_path):
     assert B._needs_configure(plan, src, argv, fresh=True) == "--fresh"
     assert "source tree changed" in B._needs_configure(plan, tmp_path / "other", argv, fresh=False)
     plain = B.plan_build(build_dir=tmp_path, env={}, probe_fn=_no_gpu)
-    assert B._needs_configure(plain, src, B._configure_argv(plain, src, cmake, ninja), False) == "CMake options changed"
+    assert B._needs_configure(plain, src, B._configure_argv(plain, src, cmake, ninja), False) == \
+        "CMake options changed: --DGGML_AVX512=ON"
+    other = B._configure_argv(plan, src, tc.Tool("/y/cmake", (3, 31)), ninja)
+    assert B._needs_configure(plan, src, other, False).startswith("another cmake: /y/cmake")
     # an option given last time and not now goes back to its default
     assert B._unset_dropped(plain, {"options": plan.options}) == ["-UGGML_AVX512"]
 
@@ -251,6 +254,28 @@ def test_old_cmake_on_path_falls_back_to_pypi(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "path"))
     monkeypatch.setattr(tc, "_pypi_bin", lambda module, attr: str(tmp_path / "wheel"))
     assert tc.find_cmake() == tc.Tool(str(new), (3, 31, 6))
+
+
+def test_the_cmake_a_directory_was_configured_with_is_kept(tmp_path, monkeypatch):
+    (tmp_path / "path").mkdir()
+    (tmp_path / "venv").mkdir()
+    on_path = _script(tmp_path / "path" / "cmake", 'echo "cmake version 3.25.1"\n')
+    configured = _script(tmp_path / "venv" / "cmake", 'echo "cmake version 4.4.5"\n')
+    monkeypatch.setenv("PATH", str(tmp_path / "path"))
+    monkeypatch.setattr(tc, "_pypi_bin", lambda module, attr: None)
+    assert tc.find_cmake().path == str(on_path)
+    assert tc.find_cmake(prefer=str(configured)).path == str(configured)
+    assert tc.find_cmake(prefer=str(tmp_path / "gone" / "cmake")).path == str(on_path)
+    _script(configured, 'echo "cmake version 3.10.0"\n')  # too old now: not kept
+    assert tc.find_cmake(prefer=str(configured)).path == str(on_path)
+
+
+def test_configured_tools_read_from_the_state(tmp_path):
+    assert B._configured_tools(tmp_path) == (None, None)
+    B._write_json(tmp_path / B.STATE_NAME, {"argv": ["/v/cmake", "-S", "s", "-DCMAKE_MAKE_PROGRAM=/v/ninja"]})
+    assert B._configured_tools(tmp_path) == ("/v/cmake", "/v/ninja")
+    B._write_json(tmp_path / B.STATE_NAME, {"argv": ["/v/cmake"], "cmake": "/w/cmake", "ninja": "/w/ninja"})
+    assert B._configured_tools(tmp_path) == ("/w/cmake", "/w/ninja")
 
 
 def test_no_compiler(tmp_path, monkeypatch):
