@@ -114,7 +114,7 @@ with llama.Model(path) as model:
         with bindings.capture_log() as log:
             ctx = llama.Context(model, n_ctx=512, n_threads=2, flash_attn=True, headinfer_gpu_heads_frac=frac)
         with ctx, llama.Sampler.greedy() as greedy:
-            toks = list(ctx.generate(model.tokenize("The capital of France is"), 16, greedy))
+            toks = list(ctx.generate(model.tokenize("The capital of France is the city of"), 16, greedy))
             out[str(frac)] = {"text": model.detokenize(toks), "tokens": toks, "report": ctx.kv_residency(),
                               "log": [t for _, t in log if "headinfer" in t]}
 print(json.dumps(out))
@@ -124,7 +124,7 @@ print(json.dumps(out))
 def test_gemma3_270m_generates_with_a_fraction_set():
     """frac=0.5 with the split forced on (as a GPU build would split): every
     layer has one KV head, so none is split and the log says why; greedy
-    decoding of "The capital of France is" names Paris, exactly as without a
+    decoding of "The capital of France is the city of" names Paris, exactly as without a
     fraction.  Run in a subprocess: a crash in llama.cpp fails this test only."""
     try:
         bindings.load()
@@ -146,7 +146,7 @@ def test_gemma3_270m_generates_with_a_fraction_set():
         pytest.fail(f"the generation subprocess died (rc={res.returncode}){hint}\n{tail}")
     out = json.loads(res.stdout.strip().splitlines()[-1])
     split, base = out["0.5"], out["1.0"]
-    print(f"\nfrac=0.5: 'The capital of France is' -> {split['text']!r}")
+    print(f"\nfrac=0.5: 'The capital of France is the city of' -> {split['text']!r}")
     print("\n".join(split["log"]))
     assert out["n_head_kv"] == 1 and out["n_swa"] > 0
     assert "Paris" in split["text"], split["text"]
