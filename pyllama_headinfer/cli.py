@@ -12,6 +12,7 @@ printed as ``error: <message>``), 2 a usage error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import logging
@@ -62,16 +63,23 @@ class _Formatter(logging.Formatter):
         return f"{record.levelname.lower()}: {message}"
 
 
-def _configure_logging(verbose: bool) -> None:
+@contextlib.contextmanager
+def _cli_logging(verbose: bool):
+    """Progress to stderr while a command runs; the package logger is put
+    back as it was afterwards, so main() called from Python (or tests) leaves
+    no global logging state behind."""
     logger = logging.getLogger("pyllama_headinfer")
-    for handler in list(logger.handlers):
-        if isinstance(handler, _CurrentStderr):
-            logger.removeHandler(handler)
+    saved = (logger.level, logger.propagate)
     handler = _CurrentStderr()
     handler.setFormatter(_Formatter("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)
-    logger.propagate = False
+    logger.propagate = False  # no second copy through handlers of the root logger
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.level, logger.propagate = saved
 
 
 def _available(subcommand: Subcommand) -> bool:
@@ -128,12 +136,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.command:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    _configure_logging(args.verbose)
-    try:
-        return int(_load(args._module).run(args))
-    except HeadInferError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    with _cli_logging(args.verbose):
+        try:
+            return int(_load(args._module).run(args))
+        except HeadInferError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130

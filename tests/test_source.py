@@ -168,7 +168,19 @@ def test_stat_cache_skips_rehashing_but_sees_changes(fake_pin, tmp_path, monkeyp
     assert [Path(p).name for p in hashed].count("README.md") == 2
 
 
+def _age_recent_files(tree, seconds: float = 60.0) -> None:
+    """Backdate files modified in the last few seconds: the stat cache rightly
+    re-hashes those (a same-second edit is invisible to mtime), and the
+    fixture may have just reverted the series in this tree."""
+    recent = time.time() - 5
+    for path in tree.rglob("*"):
+        st = path.lstat()
+        if path.is_file() and st.st_mtime > recent:
+            os.utime(path, (st.st_atime, st.st_mtime - seconds))
+
+
 def test_reverifying_the_real_tree_reads_nothing(pinned_source, monkeypatch):
+    _age_recent_files(pinned_source)
     assert source.verify_tree(pinned_source).ok  # fills this test's stat cache
     hashed = []
     real_hash = source.hash_file
