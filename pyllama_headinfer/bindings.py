@@ -152,7 +152,8 @@ class _LogRouter:
         finally:
             self.flush()
             with self._lock:
-                self._captures.remove(cap)
+                # by identity: nested captures can hold equal lists, and list.remove() compares by value
+                self._captures = [c for c in self._captures if c is not cap]
 
 
 _router = _LogRouter()

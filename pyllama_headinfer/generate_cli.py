@@ -66,10 +66,14 @@ def _run(args: argparse.Namespace) -> int:
     err = sys.stderr
     t0 = time.perf_counter()
     with Model(args.model, n_gpu_layers=args.ngl) as model, \
+            bindings.capture_log() as context_log, \
             Context(model, n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.batch, n_threads=args.threads,
                     flash_attn=args.flash_attn, type_k=args.cache_type_k, type_v=args.cache_type_v,
                     headinfer_gpu_heads_frac=args.frac) as ctx, \
             Sampler.from_params(args.temp, args.top_k, args.top_p, args.min_p, args.seed) as sampler:
+        # what the KV cache decided about the split, and why (shown even when llama.cpp's INFO is hidden)
+        split_lines = [text.split(": ", 1)[-1] for level, text in context_log
+                       if "headinfer:" in text and level >= logging.INFO]
         t_load = time.perf_counter() - t0
         prompt = model.tokenize(args.prompt, add_special=True)
         if not prompt:
@@ -109,6 +113,8 @@ def _run(args: argparse.Namespace) -> int:
         else:
             print(f"generation: {n_gen} tokens", file=err)
         print(f"headinfer_gpu_heads_frac: {ctx.headinfer_gpu_heads_frac}", file=err)
+        for line in split_lines:
+            print(f"  {line}", file=err)
         if bindings.has_kv_residency():
             print(format_kv_residency(ctx.kv_residency()), file=err)
         else:

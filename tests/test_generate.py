@@ -327,6 +327,17 @@ def test_cli_split_report(llama, gguf_models, residency, force_split, capsys):
     assert rc == 0, err
     assert "headinfer host" in err
     assert "2/4 heads resident" in err
+    assert "headinfer: gpu_heads_frac = 0.500, 3 of 3 layers split" in err
+
+
+def test_cli_says_why_nothing_was_split(llama, gguf_models, residency, capsys, monkeypatch):
+    monkeypatch.delenv(FORCE_SPLIT, raising=False)
+    rc = _cli("--model", str(gguf_models["llama-gqa"]), "--prompt", "Once upon a time", "-n", "2",
+              "--frac", "0.5", "--ctx", "256", "--threads", "1")
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "0 of 3 layers split" in err
+    assert "3 layers not split: the layer's KV is in host memory already" in err
 
 
 @pytest.mark.parametrize("args, message", [
