@@ -383,7 +383,8 @@ class Model:
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_special`` adds BOS (if the model wants it),
         ``parse_special`` lets text like ``<|im_end|>`` become control tokens."""
-        ptr, ffi, lib = self._ptr(), self._ffi, self._lib
+        self._ptr()  # raises ClosedError once the model is closed
+        ffi, lib = self._ffi, self._lib
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         cap = len(data) + 8
         for _ in range(2):

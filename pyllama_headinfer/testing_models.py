@@ -259,6 +259,21 @@ def _tensor_name(kind, bid: int | None = None, suffix: str = "weight") -> str:
     return (base.format(bid=bid) if bid is not None else base) + "." + suffix
 
 
+def finish_gguf(writer, tmp: Path, path: Path) -> Path:
+    """Write what ``writer`` (a ``gguf.GGUFWriter`` opened on ``tmp``) holds,
+    then rename ``tmp`` to ``path``: readers never see half a model."""
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
 def write_model(spec: ModelSpec, path: Path) -> Path:
     """Write ``spec`` as a GGUF file at ``path`` (atomically); return ``path``."""
     import gguf
@@ -348,16 +363,7 @@ def write_model(spec: ModelSpec, path: Path) -> Path:
         w.add_tensor(_tensor_name(T.FFN_UP, i), mat(spec.n_ff, spec.n_embd))
         w.add_tensor(_tensor_name(T.FFN_DOWN, i), mat(spec.n_embd, spec.n_ff))
 
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    return finish_gguf(w, tmp, path)
 
 
 def write_test_models(out_dir: Path, names: Iterable[str] | None = None) -> dict[str, Path]:
@@ -528,16 +534,7 @@ def write_recurrent_model(spec: RecurrentSpec, path: Path) -> Path:
             w.add_tensor(_tensor_name(T.FFN_UP, i), mat(spec.n_ff, spec.n_embd))
             w.add_tensor(_tensor_name(T.FFN_DOWN, i), mat(spec.n_embd, spec.n_ff))
 
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    return finish_gguf(w, tmp, path)
 
 
 def write_extra_model(spec, path: Path) -> Path:

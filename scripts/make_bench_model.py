@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pyllama_headinfer.testing_models import finish_gguf  # noqa: E402
 
 
 def quantized_zeros(n_out: int, n_in: int, qtype) -> np.ndarray:
@@ -83,16 +88,7 @@ def write_bench_model(path: Path, n_layer: int = 32, n_embd: int = 4096, n_head:
         mat(T.FFN_GATE, n_ff, n_embd, i)
         mat(T.FFN_UP, n_ff, n_embd, i)
         mat(T.FFN_DOWN, n_embd, n_ff, i, qtype=Q.Q6_K)
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    return finish_gguf(w, tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:

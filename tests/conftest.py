@@ -269,3 +269,30 @@ def gguf_models(request, tmp_path_factory) -> Dict[str, Path]:
     directory = Path(cache.mkdir("pyllama-headinfer-test-models")) if cache is not None \
         else tmp_path_factory.mktemp("test-models")
     return testing_models.ensure_test_models(directory)
+
+
+# --------------------------------------------------------------------------
+# the built bindings
+
+
+@pytest.fixture(scope="session")
+def built():
+    """(ffi, lib) of the built bindings. Skips when nothing is built -- except
+    in CI, where the main command built it: there a missing or unloadable build
+    must fail the run, not quietly skip half of the suite."""
+    from pyllama_headinfer import bindings
+
+    try:
+        return bindings.load()
+    except bindings.NotBuiltError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"no usable llama.cpp build in CI: {exc}")
+        pytest.skip(f"no llama.cpp build: {exc}")
+
+
+@pytest.fixture(scope="session")
+def llama(built):
+    """The pyllama_headinfer.llama module, once the bindings load."""
+    from pyllama_headinfer import llama
+
+    return llama

@@ -14,21 +14,6 @@ from pyllama_headinfer.testing_models import CORPUS
 
 
 @pytest.fixture(scope="module")
-def built():
-    try:
-        return bindings.load()
-    except bindings.NotBuiltError as exc:
-        pytest.skip(f"no llama.cpp build: {exc}")
-
-
-@pytest.fixture(scope="module")
-def llama(built):
-    from pyllama_headinfer import llama
-
-    return llama
-
-
-@pytest.fixture(scope="module")
 def model(llama, gguf_models):
     with llama.Model(gguf_models["llama-gqa"]) as m:
         yield m

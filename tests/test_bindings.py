@@ -18,14 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def built():
-    try:
-        return bindings.load()
-    except bindings.NotBuiltError as exc:
-        pytest.skip(f"no llama.cpp build: {exc}")
-
-
-@pytest.fixture(scope="module")
 def build_info(built):
     bdir, manifest = bindings.load_manifest()
     source = Path(manifest.get("source_tree") or Path(manifest["include_dir"]).parent)

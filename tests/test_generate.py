@@ -31,17 +31,6 @@ THREADS = 1  # the test machines are small and shared; threads only slow tiny mo
 
 
 @pytest.fixture(scope="module")
-def llama():
-    try:
-        bindings.load()
-    except bindings.NotBuiltError as exc:
-        pytest.skip(f"no llama.cpp build: {exc}")
-    from pyllama_headinfer import llama
-
-    return llama
-
-
-@pytest.fixture(scope="module")
 def residency(llama):
     if not bindings.has_kv_residency():
         pytest.skip("libllama lacks llama_kv_residency_buffers: the HeadInfer C++ side is not built yet")

@@ -55,15 +55,9 @@ N_GEN = 12
 
 
 @pytest.fixture(scope="module")
-def llama():
-    try:
-        bindings.load()
-    except bindings.NotBuiltError as exc:
-        pytest.skip(f"no llama.cpp build: {exc}")
+def llama(llama):
     if not bindings.has_kv_residency():
         pytest.skip("libllama lacks llama_kv_residency_buffers: the HeadInfer C++ side is not built")
-    from pyllama_headinfer import llama
-
     return llama
 
 

@@ -16,16 +16,6 @@ from pyllama_headinfer import testing_models as tm
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def built():
-    from pyllama_headinfer import bindings
-
-    try:
-        return bindings.load()
-    except bindings.NotBuiltError as exc:
-        pytest.skip(f"no llama.cpp build: {exc}")
-
-
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

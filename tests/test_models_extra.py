@@ -20,18 +20,6 @@ def extra_paths(request, tmp_path_factory):
     return tm.ensure_extra_models(directory)
 
 
-@pytest.fixture(scope="module")
-def llama():
-    from pyllama_headinfer import bindings
-
-    try:
-        bindings.load()
-    except bindings.NotBuiltError as exc:
-        pytest.skip(f"no llama.cpp build: {exc}")
-    from pyllama_headinfer import llama
-
-    return llama
-
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
