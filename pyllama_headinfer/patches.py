@@ -537,8 +537,15 @@ class CheckReport:
     patches: Tuple[PatchCheck, ...]
 
     @property
-    def ok(self) -> bool:
+    def applies(self) -> bool:
+        """Every patch applies (or is applied) to the files as they are."""
         return all(p.outcome != Outcome.FAILS for p in self.patches)
+
+    @property
+    def ok(self) -> bool:
+        """``apply`` would succeed: the patches apply and the tree is one apply accepts
+        (a hand-edited or half-patched tree is refused even where the hunks still fit)."""
+        return self.applies and self.status.state in (State.PRISTINE, State.APPLIED)
 
     @property
     def failing(self) -> Tuple[PatchCheck, ...]:
@@ -548,7 +555,13 @@ class CheckReport:
         head = f"{self.tree}: {self.status.describe()}"
         if not self.patches:
             return head + "\n(the patch series is empty)"
-        verdict = "the series applies" if self.ok else f"{len(self.failing)} patch(es) fail"
+        if not self.applies:
+            verdict = f"{len(self.failing)} patch(es) fail"
+        elif not self.ok:
+            verdict = (f"the patches apply, but `patch apply` refuses a {self.status.state.name} tree: "
+                       "restore the files named above, or start from a fresh tree (`source fetch --force`)")
+        else:
+            verdict = "the series applies"
         return "\n".join([head, *(p.describe() for p in self.patches), verdict])
 
 

@@ -127,6 +127,18 @@ def test_revert_restores_byte_identical_pristine(fake_pin, tree):
     assert not again.changed and "already pristine" in again.message
 
 
+def test_check_fails_on_a_hand_edit_the_hunks_do_not_touch(fake_pin, tree):
+    """An edit outside every hunk still lets git apply the patches, but apply
+    refuses the MODIFIED tree -- so check must not say "applies"."""
+    core = tree / "src/core.c"
+    core.write_text(core.read_text() + "/* local edit, far from every hunk */\n")
+    before = snapshot(tree)
+    report = patches.check(tree, fake_pin.patches)
+    assert report.applies and not report.ok
+    assert "refuses a MODIFIED tree" in report.describe()
+    assert snapshot(tree) == before
+
+
 def test_conflicting_tree_report_names_the_hunk_and_keeps_the_tree(fake_pin, tree):
     core = tree / "src/core.c"
     core.write_text(core.read_text().replace("int core_26 = 26;", "int core_26 = -1; /* local edit */"))
