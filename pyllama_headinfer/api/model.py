@@ -1,0 +1,217 @@
+""":class:`Model`: a GGUF model loaded by llama.cpp -- its lifetime, its
+properties and metadata, and its vocabulary (tokenize / detokenize)."""
+
+from __future__ import annotations
+
+import errno
+import numbers
+import os
+import weakref
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .. import bindings
+from ..errors import HeadInferError
+from .exceptions import ClosedError, ModelError, TokenError, _log_tail
+from .gguf_check import check_gguf
+
+
+class Model:
+    """A GGUF model loaded by llama.cpp.
+
+    ``n_gpu_layers``: layers to offload (-1 = all; 0 = CPU only).
+    ``use_mmap``: map the file instead of reading it.
+    """
+
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, use_mmap: bool = True, *,
+                 vocab_only: bool = False):
+        self._handle = None
+        self._contexts: weakref.WeakSet = weakref.WeakSet()
+        path = Path(os.fspath(path))
+        if not path.exists():
+            raise FileNotFoundError(errno.ENOENT, "model file not found", str(path))
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "model path is a directory", str(path))
+        if not isinstance(n_gpu_layers, numbers.Integral):
+            raise TypeError(f"n_gpu_layers must be an int, got {n_gpu_layers!r}")
+        check_gguf(path)
+        self.path = path
+        ffi, lib = self._ffi, self._lib = bindings.load()
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = int(n_gpu_layers)
+        params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if (use_mmap and lib.llama_supports_mmap()) \
+            else lib.LLAMA_LOAD_MODE_NONE
+        params.vocab_only = bool(vocab_only)
+        with bindings.capture_log() as log:
+            ptr = lib.llama_model_load_from_file(os.fsencode(path), params)
+        if ptr == ffi.NULL:
+            raise ModelError(f"llama.cpp could not load {path}: {_log_tail(log) or 'no reason given'}")
+        self._handle = ffi.gc(ptr, lib.llama_model_free)
+        self._vocab = lib.llama_model_get_vocab(ptr)
+        self.n_vocab: int = int(lib.llama_vocab_n_tokens(self._vocab))
+
+    # -- lifetime ---------------------------------------------------------- #
+
+    def _ptr(self):
+        if self._handle is None:
+            raise ClosedError("the model is closed")
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def close(self) -> None:
+        """Free the model (and first every context still open on it)."""
+        if self._handle is None:
+            return
+        for ctx in list(self._contexts):
+            ctx.close()
+        handle, self._handle = self._handle, None
+        self._vocab = None
+        self._ffi.release(handle)  # runs llama_model_free now
+
+    def __enter__(self) -> "Model":
+        self._ptr()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"n_vocab={self.n_vocab}"
+        return f"<Model {self.path.name} {state}>"
+
+    # -- properties -------------------------------------------------------- #
+
+    def _int(self, fn) -> int:
+        return int(getattr(self._lib, fn)(self._ptr()))
+
+    @property
+    def n_ctx_train(self) -> int:
+        return self._int("llama_model_n_ctx_train")
+
+    @property
+    def n_embd(self) -> int:
+        return self._int("llama_model_n_embd")
+
+    @property
+    def n_layer(self) -> int:
+        return self._int("llama_model_n_layer")
+
+    @property
+    def n_head(self) -> int:
+        return self._int("llama_model_n_head")
+
+    @property
+    def n_head_kv(self) -> int:
+        return self._int("llama_model_n_head_kv")
+
+    @property
+    def n_swa(self) -> int:
+        return self._int("llama_model_n_swa")
+
+    @property
+    def size(self) -> int:
+        return self._int("llama_model_size")
+
+    @property
+    def n_params(self) -> int:
+        return self._int("llama_model_n_params")
+
+    @property
+    def description(self) -> str:
+        buf = self._ffi.new("char[256]")
+        self._lib.llama_model_desc(self._ptr(), buf, 256)
+        return self._ffi.string(buf).decode("utf-8", "replace")
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as a string (None when absent)."""
+        ptr, ffi = self._ptr(), self._ffi
+        n = self._lib.llama_model_meta_val_str(ptr, key.encode(), ffi.NULL, 0)
+        if n < 0:
+            return None
+        buf = ffi.new("char[]", n + 1)
+        self._lib.llama_model_meta_val_str(ptr, key.encode(), buf, n + 1)
+        return ffi.string(buf).decode("utf-8", "replace")
+
+    @property
+    def token_bos(self) -> int:
+        self._ptr()
+        return int(self._lib.llama_vocab_bos(self._vocab))
+
+    @property
+    def token_eos(self) -> int:
+        self._ptr()
+        return int(self._lib.llama_vocab_eos(self._vocab))
+
+    def is_eog(self, token: int) -> bool:
+        self._ptr()
+        return bool(self._lib.llama_vocab_is_eog(self._vocab, int(token)))
+
+    # -- tokens ------------------------------------------------------------ #
+
+    def check_tokens(self, tokens: Iterable[int]) -> np.ndarray:
+        """``tokens`` as an int32 array; :class:`TokenError` if any id is not in ``[0, n_vocab)``."""
+        self._ptr()
+        arr = np.asarray(list(tokens) if not isinstance(tokens, np.ndarray) else tokens)
+        if arr.ndim != 1:
+            raise TokenError(f"tokens must be a flat sequence of ints, got shape {arr.shape}")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise TokenError(f"tokens must be ints, got {arr.dtype}")
+        bad = np.flatnonzero((arr < 0) | (arr >= self.n_vocab))
+        if bad.size:
+            i = int(bad[0])
+            raise TokenError(f"token id {int(arr[i])} at position {i} is out of range for this model "
+                             f"(n_vocab={self.n_vocab})")
+        return arr.astype(np.int32, copy=False)
+
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_special`` adds BOS (if the model wants it),
+        ``parse_special`` lets text like ``<|im_end|>`` become control tokens."""
+        self._ptr()  # raises ClosedError once the model is closed
+        ffi, lib = self._ffi, self._lib
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        cap = len(data) + 8
+        for _ in range(2):
+            out = ffi.new("llama_token[]", cap)
+            n = lib.llama_tokenize(self._vocab, data, len(data), out, cap, bool(add_special), bool(parse_special))
+            if n >= 0:
+                return list(out[0:n])
+            if n == -(2**31):
+                raise ValueError("text too long to tokenize")
+            cap = -n
+        raise HeadInferError("llama_tokenize kept asking for a larger buffer")
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of one token (may be a partial UTF-8 sequence)."""
+        self._ptr()
+        tok = int(self.check_tokens([token])[0])
+        ffi = self._ffi
+        cap = 64
+        for _ in range(2):
+            buf = ffi.new("char[]", cap)
+            n = self._lib.llama_token_to_piece(self._vocab, tok, buf, cap, 0, bool(special))
+            if n >= 0:
+                return ffi.buffer(buf, n)[:]
+            cap = -n
+        raise HeadInferError("llama_token_to_piece kept asking for a larger buffer")
+
+    def detokenize_bytes(self, tokens: Sequence[int], special: bool = False) -> bytes:
+        arr = self.check_tokens(tokens)
+        ffi = self._ffi
+        toks = ffi.from_buffer("llama_token[]", arr) if arr.size else ffi.NULL
+        cap = max(64, 8 * len(arr))
+        for _ in range(2):
+            buf = ffi.new("char[]", cap)
+            n = self._lib.llama_detokenize(self._vocab, toks, len(arr), buf, cap, not special, bool(special))
+            if n >= 0:
+                return ffi.buffer(buf, n)[:]
+            cap = -n
+        raise HeadInferError("llama_detokenize kept asking for a larger buffer")
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        """Text of ``tokens`` (invalid UTF-8 replaced); ``special`` renders control tokens."""
+        return self.detokenize_bytes(tokens, special).decode("utf-8", "replace")

@@ -1,0 +1,66 @@
+"""The HeadInfer KV residency report: where the KV cache's bytes live, as
+allocated by llama.cpp.  :func:`read_kv_residency` reads it (behind
+:meth:`Context.kv_residency`), :func:`format_kv_residency` prints it as a
+table; :data:`HEADINFER_HOST_SUFFIX` marks the host halves of split layers."""
+
+from __future__ import annotations
+
+from .. import bindings
+from ..errors import HeadInferError
+
+HEADINFER_HOST_SUFFIX = " (headinfer host)"
+
+
+def read_kv_residency(ptr, ffi, lib) -> dict | None:
+    """The report of :meth:`Context.kv_residency` for the context ``ptr``
+    (see there for its shape)."""
+    if not lib.pyllama_has_kv_residency():
+        raise HeadInferError("this libllama has no llama_kv_residency_buffers (built without the "
+                             "HeadInfer patch series?); " + bindings.REBUILD_HINT)
+    n = int(lib.llama_kv_residency_buffers(ptr, ffi.NULL, 0))
+    if n < 0:
+        return None
+    bufs = ffi.new("struct llama_kv_residency_buffer[]", max(n, 1))
+    n = min(n, int(lib.llama_kv_residency_buffers(ptr, bufs, n)))
+    buffers: dict[str, dict] = {}
+    for b in bufs[0:n]:
+        name = ffi.string(b.buft_name).decode("utf-8", "replace") if b.buft_name != ffi.NULL else "?"
+        host = bool(b.headinfer_host)
+        key = name + (HEADINFER_HOST_SUFFIX if host else "")
+        entry = buffers.setdefault(key, {"k": 0, "v": 0, "headinfer_host": host})
+        entry["k"] += int(b.k_bytes)
+        entry["v"] += int(b.v_bytes)
+    nl = int(lib.llama_kv_residency_layers(ptr, ffi.NULL, 0))
+    layers = []
+    if nl > 0:
+        arr = ffi.new("struct llama_kv_residency_layer[]", nl)
+        nl = min(nl, int(lib.llama_kv_residency_layers(ptr, arr, nl)))
+        layers = [{"il": int(x.il), "n_head_kv": int(x.n_head_kv), "n_head_resident": int(x.n_head_resident),
+                   "is_swa": bool(x.is_swa)} for x in arr[0:nl]]
+        layers.sort(key=lambda x: (x["il"], x["is_swa"]))
+    return {"buffers": buffers, "layers": layers}
+
+
+def format_kv_residency(report: dict | None) -> str:
+    """A human-readable table of :meth:`Context.kv_residency`."""
+    if report is None:
+        return "KV residency: no attention KV cache"
+
+    def mib(n: int) -> str:
+        return f"{n / 2**20:9.2f} MiB"
+
+    lines = ["KV residency (as allocated by llama.cpp):"]
+    total_k = total_v = 0
+    for name, b in report["buffers"].items():
+        lines.append(f"  {name:28s} K {mib(b['k'])}  V {mib(b['v'])}")
+        total_k += b["k"]
+        total_v += b["v"]
+    lines.append(f"  {'total':28s} K {mib(total_k)}  V {mib(total_v)}")
+    layers = report["layers"]
+    if layers:
+        split = [x for x in layers if x["n_head_resident"] < x["n_head_kv"]]
+        lines.append(f"  layers: {len(layers)}, split: {len(split)}")
+        for x in layers:
+            tag = " swa" if x["is_swa"] else ""
+            lines.append(f"    layer {x['il']:3d}: {x['n_head_resident']}/{x['n_head_kv']} heads resident{tag}")
+    return "\n".join(lines)
