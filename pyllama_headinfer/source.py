@@ -21,32 +21,57 @@ A tree is acceptable when it is pristine or carries exactly our patch series
 Hashing the ~176 MB tree takes about a second, so blob ids are remembered in a
 stat cache (size, mtime, ctime, inode -> blob id) kept in the cache directory,
 keyed by the tree's absolute path, never inside the tree.
+
+Where the code lives (this module: getting a tree, and the CLI):
+
+- ``source.py``: :func:`ensure_source`, :func:`locate_tree`,
+  :func:`fetch_source`, the fetchers (GitHub archive, PyPI sdist), installing
+  a fetched tree into the cache, :func:`tree_acceptance` (pristine, or our
+  series applied) and the CLI (``add_arguments``, ``run``);
+- ``tree_verify.py``: git blob/tree hashing, :func:`check_pin_listing`,
+  :func:`scan_tree` with its stat cache, :class:`TreeDiff`,
+  :func:`verify_tree`;
+- ``archive.py``: :func:`extract_subtree`, the safe extraction of an archive.
+
+Every name other modules and the tests use (``source.verify_tree``,
+``source.scan_tree``, ``source.extract_subtree``, ...) is importable from
+this module.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import hashlib
-import json
 import logging
 import os
-import posixpath
 import shlex
 import shutil
-import stat
 import subprocess
 import sys
-import tarfile
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple
 
 from . import paths, pin
+from .archive import extract_subtree
 from .errors import HeadInferError, PatchError, SourceError
-from .pin import PinnedFile
+from .tree_verify import (DIFF_EXAMPLES, MODE_EXEC, MODE_FILE, MODE_LINK, MODE_SPECIAL, MODE_TREE, RACY_WINDOW_NS,
+                          STAT_CACHE_VERSION, Listing, PathLike, TreeDiff, _move_stat_cache, check_pin_listing,
+                          compare_listings, forget_stat_cache, git_blob_id, git_tree_id, hash_file, scan_tree,
+                          verify_tree)
+
+__all__ = [
+    # getting a tree, and the CLI
+    "ensure_source", "locate_tree", "fetch_source", "tree_acceptance", "cached_tree_path", "downloads_dir",
+    "archive_url", "pip_download_command", "LLAMA_SRC_ENV", "ARCHIVE_URL_ENV", "PIP_ARGS_ENV",
+    "CONNECT_TIMEOUT_S", "READ_TIMEOUT_S", "add_arguments", "run",
+    # tree_verify
+    "git_blob_id", "hash_file", "git_tree_id", "check_pin_listing", "scan_tree", "forget_stat_cache",
+    "TreeDiff", "compare_listings", "verify_tree", "Listing", "PathLike", "DIFF_EXAMPLES",
+    "STAT_CACHE_VERSION", "RACY_WINDOW_NS", "MODE_FILE", "MODE_EXEC", "MODE_LINK", "MODE_TREE", "MODE_SPECIAL",
+    # archive
+    "extract_subtree",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,251 +81,10 @@ PIP_ARGS_ENV = "PYLLAMA_HEADINFER_PIP_ARGS"
 
 CONNECT_TIMEOUT_S = 10
 READ_TIMEOUT_S = 60
-STAT_CACHE_VERSION = 1
-# A file whose mtime is this close to the scan is not cached: it could still
-# be changed within the same timestamp tick without its mtime moving.
-RACY_WINDOW_NS = 2_000_000_000
-DIFF_EXAMPLES = 5
-
-PathLike = Union[str, "os.PathLike[str]"]
-Listing = Mapping[str, PinnedFile]
-
-MODE_FILE = "100644"
-MODE_EXEC = "100755"
-MODE_LINK = "120000"
-MODE_TREE = "40000"
-MODE_SPECIAL = "special"  # fifo, socket, device: never part of a git tree
 
 
 # --------------------------------------------------------------------------
-# git object hashing
-
-
-def git_blob_id(data: bytes) -> str:
-    """The id git gives a blob with this content."""
-    return pin.git_object_id("blob", data)
-
-
-def hash_file(path: PathLike, size: Optional[int] = None) -> str:
-    """Git blob id of a regular file, read in chunks."""
-    if size is None:
-        size = os.stat(path).st_size
-    digest = hashlib.sha1(b"blob %d\0" % size)
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def git_tree_id(listing: Listing) -> str:
-    """The root tree id git would build from a flat ``path -> (mode, blob)`` listing."""
-    root: dict = {}
-    for path, entry in listing.items():
-        *dirs, name = path.split("/")
-        node = root
-        for part in dirs:
-            node = node.setdefault(part, {})
-        node[name] = entry
-    return _hash_tree_node(root)
-
-
-def _hash_tree_node(node: dict) -> str:
-    def sort_key(item: Tuple[str, object]) -> bytes:
-        # git compares a subtree's name as if it ended in "/"
-        name, value = item
-        raw = name.encode("utf-8", "surrogateescape")
-        return raw + b"/" if isinstance(value, dict) else raw
-
-    payload = bytearray()
-    for name, value in sorted(node.items(), key=sort_key):
-        if isinstance(value, dict):
-            mode, object_id = MODE_TREE, _hash_tree_node(value)
-        else:
-            mode, object_id = value.mode, value.blob
-        payload += f"{mode} ".encode() + name.encode("utf-8", "surrogateescape") + b"\0"
-        payload += bytes.fromhex(object_id)
-    return pin.git_object_id("tree", bytes(payload))
-
-
-_proven_listings: set = set()
-
-
-def check_pin_listing() -> None:
-    """Prove the packaged listing is the pinned commit's tree (once per process)."""
-    listing = pin.pinned_files()
-    expected = pin.pinned_tree_id()
-    key = (id(listing), len(listing), expected)  # pin.pinned_files() is cached: same object
-    if key in _proven_listings:
-        return
-    rebuilt = git_tree_id(listing)
-    if rebuilt != expected:
-        raise SourceError(
-            f"the packaged file listing of llama.cpp {pin.LLAMA_CPP_BUILD} hashes to tree "
-            f"{rebuilt}, but the pinned commit names tree {expected}: the package data is corrupt"
-        )
-    _proven_listings.add(key)
-
-
-# --------------------------------------------------------------------------
-# scanning a tree on disk (with a stat cache)
-
-
-def _stat_cache_file(tree: Path) -> Path:
-    key = hashlib.sha256(str(tree).encode("utf-8", "surrogateescape")).hexdigest()[:32]
-    return paths.cache_dir() / "statcache" / f"{key}.json"
-
-
-def _load_stat_cache(tree: Path) -> Dict[str, list]:
-    try:
-        data = json.loads(_stat_cache_file(tree).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    if data.get("version") != STAT_CACHE_VERSION or data.get("tree") != str(tree):
-        return {}
-    entries = data.get("entries")
-    return entries if isinstance(entries, dict) else {}
-
-
-def _save_stat_cache(tree: Path, entries: Dict[str, list]) -> None:
-    target = _stat_cache_file(tree)
-    payload = {"version": STAT_CACHE_VERSION, "tree": str(tree), "entries": entries}
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(payload, handle, separators=(",", ":"))
-        os.replace(temp, target)
-    except OSError as exc:  # a cache that cannot be written only costs time
-        log.debug("could not write the stat cache %s: %s", target, exc)
-
-
-def forget_stat_cache(tree: PathLike) -> None:
-    """Drop the remembered blob ids of a tree (after deleting or replacing it)."""
-    try:
-        _stat_cache_file(Path(tree).resolve()).unlink()
-    except OSError:
-        pass
-
-
-def _move_stat_cache(old: Path, new: Path) -> None:
-    """A renamed tree keeps its files' inodes and times: keep their blob ids too."""
-    entries = _load_stat_cache(old)
-    forget_stat_cache(old)
-    if entries:
-        _save_stat_cache(new, entries)
-
-
-def _walk(tree: Path) -> Iterator[Tuple[str, str, os.stat_result]]:
-    """(relative posix path, absolute path, lstat) of every non-directory entry."""
-    pending: List[Tuple[str, str]] = [("", str(tree))]
-    while pending:
-        prefix, directory = pending.pop()
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                relative = prefix + entry.name
-                if relative == ".git":
-                    continue  # the tree's own repository (dir or gitfile) is not content
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append((relative + "/", entry.path))
-                else:
-                    yield relative, entry.path, entry.stat(follow_symlinks=False)
-
-
-def _git_mode(st: os.stat_result) -> str:
-    if stat.S_ISLNK(st.st_mode):
-        return MODE_LINK
-    if stat.S_ISREG(st.st_mode):
-        return MODE_EXEC if st.st_mode & stat.S_IXUSR else MODE_FILE
-    return MODE_SPECIAL
-
-
-def _blob_of(absolute: str, st: os.stat_result, mode: str) -> str:
-    if mode == MODE_LINK:
-        return git_blob_id(os.fsencode(os.readlink(absolute)))
-    if mode == MODE_SPECIAL:
-        return "0" * 40
-    return hash_file(absolute, st.st_size)
-
-
-def scan_tree(tree: PathLike, *, use_cache: bool = True) -> Dict[str, PinnedFile]:
-    """``path -> (mode, blob id)`` of every file in ``tree``, like ``git ls-tree -r``."""
-    root = Path(tree).resolve()
-    if not root.is_dir():
-        raise SourceError(f"{root} is not a directory")
-    previous = _load_stat_cache(root) if use_cache else {}
-    racy_after = time.time_ns() - RACY_WINDOW_NS
-    remembered: Dict[str, list] = {}
-    listing: Dict[str, PinnedFile] = {}
-    hashed = 0
-    for relative, absolute, st in _walk(root):
-        mode = _git_mode(st)
-        key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-        cached = previous.get(relative)
-        if cached is not None and cached[:4] == key:
-            blob = cached[4]
-        else:
-            try:
-                blob = _blob_of(absolute, st, mode)
-            except OSError as exc:
-                raise SourceError(f"cannot read {absolute}: {exc}") from exc
-            hashed += 1
-        listing[relative] = PinnedFile(mode, blob)
-        if st.st_mtime_ns < racy_after:
-            remembered[relative] = key + [blob]
-    if use_cache and remembered != previous:
-        _save_stat_cache(root, remembered)
-    log.debug("scanned %s: %d files, %d hashed", root, len(listing), hashed)
-    return listing
-
-
-# --------------------------------------------------------------------------
-# comparing a tree with the pin
-
-
-@dataclass(frozen=True)
-class TreeDiff:
-    """How a tree differs from an expected listing (all empty: identical)."""
-
-    missing: Tuple[str, ...] = ()
-    extra: Tuple[str, ...] = ()
-    differing: Tuple[str, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return not (self.missing or self.extra or self.differing)
-
-    @property
-    def paths(self) -> Tuple[str, ...]:
-        return tuple(sorted(self.missing + self.extra + self.differing))
-
-    def describe(self, limit: int = DIFF_EXAMPLES) -> str:
-        """One line per kind of difference, naming at most ``limit`` files each."""
-        if self.ok:
-            return "identical"
-        parts = []
-        for label, items in (
-            ("differing", self.differing),
-            ("missing", self.missing),
-            ("extra", self.extra),
-        ):
-            if items:
-                shown = ", ".join(items[:limit])
-                more = f", ... ({len(items) - limit} more)" if len(items) > limit else ""
-                parts.append(f"{len(items)} {label}: {shown}{more}")
-        return "; ".join(parts)
-
-
-def compare_listings(actual: Listing, expected: Listing) -> TreeDiff:
-    missing = sorted(set(expected) - set(actual))
-    extra = sorted(set(actual) - set(expected))
-    differing = sorted(p for p in set(actual) & set(expected) if actual[p] != expected[p])
-    return TreeDiff(tuple(missing), tuple(extra), tuple(differing))
-
-
-def verify_tree(tree: PathLike) -> TreeDiff:
-    """Compare a tree on disk with the pinned commit (checking the listing first)."""
-    check_pin_listing()
-    return compare_listings(scan_tree(tree), pin.pinned_files())
+# whether a tree is usable: pristine, or our series applied
 
 
 def tree_acceptance(tree: PathLike) -> Tuple[bool, str]:
@@ -333,92 +117,6 @@ def downloads_dir() -> Path:
 
 def archive_url() -> str:
     return os.environ.get(ARCHIVE_URL_ENV) or pin.GITHUB_ARCHIVE_URL
-
-
-# --------------------------------------------------------------------------
-# safe extraction
-
-
-def _strip_top(name: str) -> Tuple[str, str]:
-    top, _, rest = name.partition("/")
-    return top, rest
-
-
-def _check_member(member: tarfile.TarInfo, relative: str) -> None:
-    """Refuse anything that could land outside the destination or is not plain data."""
-    name = member.name
-    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
-        raise SourceError(f"unsafe archive member {name!r}: absolute path")
-    if ".." in name.replace("\\", "/").split("/"):
-        raise SourceError(f"unsafe archive member {name!r}: '..' in path")
-    if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
-        raise SourceError(f"unsafe archive member {name!r}: device, fifo or other special file")
-    if member.issym():
-        target = member.linkname
-        resolved = posixpath.normpath(posixpath.join(posixpath.dirname(relative), target))
-        if target.startswith("/") or resolved == ".." or resolved.startswith("../"):
-            raise SourceError(f"unsafe archive member {name!r}: symlink to {target!r} leaves the tree")
-    if member.islnk():
-        target = member.linkname
-        if target.startswith("/") or ".." in target.split("/"):
-            raise SourceError(f"unsafe archive member {name!r}: hard link to {target!r}")
-
-
-def extract_subtree(archive: PathLike, destination: PathLike, subdir: str = "") -> int:
-    """Extract ``<top>/<subdir>/...`` of a tar archive into ``destination``.
-
-    Every member must sit under one common top-level directory (GitHub archives
-    and sdists do); its ``subdir`` part is stripped. Unsafe members anywhere
-    in the archive abort the extraction; the caller extracts into a temporary
-    directory so an aborted extraction never reaches the final place. A
-    ``.git`` at the subtree's top is skipped: in an sdist it is a gitfile
-    pointing outside the subtree, which would break git commands run inside.
-    Returns the number of members extracted.
-    """
-    dest = Path(destination)
-    prefix = subdir.strip("/") + "/" if subdir.strip("/") else ""
-    top_dir: Optional[str] = None
-    extracted = 0
-    try:
-        with tarfile.open(archive, "r:*") as tar:
-            for member in tar:
-                if member.type in (tarfile.XGLTYPE, tarfile.XHDTYPE):
-                    continue
-                top, rest = _strip_top(member.name.rstrip("/"))
-                _check_member(member, rest)
-                if top_dir is None:
-                    top_dir = top
-                elif top != top_dir:
-                    raise SourceError(
-                        f"unexpected archive layout: {member.name!r} is not under {top_dir!r}/"
-                    )
-                if not rest.startswith(prefix) or rest == prefix.rstrip("/"):
-                    continue
-                relative = rest[len(prefix):]
-                if relative == ".git" or relative.startswith(".git/"):
-                    continue
-                _extract_member(tar, member, relative, prefix, top_dir, dest)
-                extracted += 1
-    except tarfile.TarError as exc:
-        raise SourceError(f"cannot extract {archive}: {exc}") from exc
-    if not extracted:
-        where = f"{top_dir}/{prefix}" if top_dir else "(empty archive)"
-        raise SourceError(f"{archive} holds nothing under {where}")
-    return extracted
-
-
-def _extract_member(tar, member, relative, prefix, top_dir, dest: Path) -> None:
-    renamed = copy.copy(member)
-    renamed.name = relative
-    if member.islnk():
-        link_top, link_rest = _strip_top(member.linkname)
-        if link_top != top_dir or not link_rest.startswith(prefix):
-            raise SourceError(f"unsafe archive member {member.name!r}: hard link leaves the subtree")
-        renamed.linkname = link_rest[len(prefix):]
-    if hasattr(tarfile, "data_filter"):  # Python >= 3.12, and 3.8-3.11 security releases
-        tar.extract(renamed, path=dest, filter="data")
-    else:
-        tar.extract(renamed, path=dest)
 
 
 # --------------------------------------------------------------------------

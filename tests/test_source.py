@@ -17,7 +17,7 @@ from typing import List
 import pytest
 
 from conftest import git, snapshot
-from pyllama_headinfer import patches, paths, pin, source
+from pyllama_headinfer import patches, paths, pin, source, tree_verify
 from pyllama_headinfer.errors import SourceError
 
 pytestmark = pytest.mark.usefixtures("isolated_cache")
@@ -143,7 +143,7 @@ def test_stat_cache_skips_rehashing_but_sees_changes(fake_pin, tmp_path, monkeyp
     before = snapshot(tree)
     hashed = []
     real_hash = source.hash_file
-    monkeypatch.setattr(source, "hash_file", lambda path, size=None: hashed.append(path) or real_hash(path, size))
+    monkeypatch.setattr(tree_verify, "hash_file", lambda path, size=None: hashed.append(path) or real_hash(path, size))
 
     source.scan_tree(tree)
     assert len(hashed) == len(fake_pin.listing)
@@ -184,7 +184,7 @@ def test_reverifying_the_real_tree_reads_nothing(pinned_source, monkeypatch):
     assert source.verify_tree(pinned_source).ok  # fills this test's stat cache
     hashed = []
     real_hash = source.hash_file
-    monkeypatch.setattr(source, "hash_file", lambda path, size=None: hashed.append(path) or real_hash(path, size))
+    monkeypatch.setattr(tree_verify, "hash_file", lambda path, size=None: hashed.append(path) or real_hash(path, size))
     started = time.monotonic()
     assert source.verify_tree(pinned_source).ok
     elapsed = time.monotonic() - started
