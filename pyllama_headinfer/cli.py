@@ -37,6 +37,7 @@ SUBCOMMANDS: Sequence[Subcommand] = (
     Subcommand("patch", "pyllama_headinfer.patches", "check, apply, revert, inspect or export the patch series"),
     Subcommand("build", "pyllama_headinfer.build", "configure and compile the patched llama.cpp"),
     Subcommand("generate", "pyllama_headinfer.generate_cli", "generate text with HeadInfer"),
+    Subcommand("plan", "pyllama_headinfer.plan_cli", "choose the head fraction from a VRAM budget (no weights loaded)"),
 )
 
 

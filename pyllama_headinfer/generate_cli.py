@@ -1,7 +1,7 @@
 """``python -m pyllama_headinfer generate``: generate text with HeadInfer.
 
     python -m pyllama_headinfer generate --model M.gguf --prompt "Once upon a time" -n 64 \\
-        [--frac 0.5] [--ngl 99] [--ctx 4096] [--seed 42] [--temp 0.8]
+        [--frac 0.5 | --vram-budget 24GiB] [--ngl 99] [--ctx 4096] [--seed 42] [--temp 0.8]
 
 The generated text goes to stdout (streamed); the speed (prompt and
 generation tokens/s) and the KV residency report -- where llama.cpp allocated
@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frac", type=float, default=1.0,
                         help="HeadInfer: fraction of each layer's KV heads kept on the device, in [0, 1] "
                              "(default 1.0 = off)")
+    parser.add_argument("--vram-budget", default=None,
+                        help="HeadInfer: derive the fraction from a GPU memory budget, e.g. 24GiB (instead of "
+                             "--frac; see the plan command)")
     parser.add_argument("--ngl", "--n-gpu-layers", dest="ngl", type=int, default=0,
                         help="layers to offload to the GPU (-1 = all; default 0)")
     parser.add_argument("--ctx", "-c", type=int, default=4096, help="context size (default 4096)")
@@ -56,6 +59,12 @@ def _run(args: argparse.Namespace) -> int:
     from . import bindings
 
     check_headinfer_frac(args.frac)  # before the (slow) model load
+    if args.vram_budget is not None:
+        from .plan import parse_size
+
+        parse_size(args.vram_budget)
+        if args.frac != 1.0:
+            raise ValueError("give --frac or --vram-budget, not both")
 
     if not getattr(args, "verbose", False):
         # llama.cpp is chatty at INFO; the CLI shows its warnings and errors only.
@@ -69,7 +78,7 @@ def _run(args: argparse.Namespace) -> int:
             bindings.capture_log() as context_log, \
             Context(model, n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.batch, n_threads=args.threads,
                     flash_attn=args.flash_attn, type_k=args.cache_type_k, type_v=args.cache_type_v,
-                    headinfer_gpu_heads_frac=args.frac) as ctx, \
+                    headinfer_gpu_heads_frac=args.frac, headinfer_vram_budget=args.vram_budget) as ctx, \
             Sampler.from_params(args.temp, args.top_k, args.top_p, args.min_p, args.seed) as sampler:
         # what the KV cache decided about the split, and why (shown even when llama.cpp's INFO is hidden)
         split_lines = [text.split(": ", 1)[-1] for level, text in context_log
@@ -113,6 +122,10 @@ def _run(args: argparse.Namespace) -> int:
         else:
             print(f"generation: {n_gen} tokens", file=err)
         print(f"headinfer_gpu_heads_frac: {ctx.headinfer_gpu_heads_frac}", file=err)
+        if ctx.headinfer_plan is not None:
+            print(f"  {ctx.headinfer_plan.summary()}", file=err)
+        elif args.vram_budget is not None:
+            print("  --vram-budget ignored: this build has no GPU offload", file=err)
         for line in split_lines:
             print(f"  {line}", file=err)
         if bindings.has_kv_residency():

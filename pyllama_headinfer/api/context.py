@@ -62,7 +62,10 @@ class Context:
 
     ``headinfer_gpu_heads_frac``: fraction of each layer's KV heads kept in
     the layer's (device) buffer; the rest live in host memory (HeadInfer).
-    1.0 = off.  ``flash_attn``: True / False / None (= llama.cpp's auto).
+    1.0 = off.  ``headinfer_vram_budget`` (bytes or e.g. "24GiB", instead
+    of a fraction): the fraction is derived from the budget at load time --
+    the largest g whose estimated device total fits (``pyllama_headinfer.plan``; the plan
+    is kept as ``headinfer_plan``).  ``flash_attn``: True / False / None (= llama.cpp's auto).
     ``kv_unified``/``swa_full``: None keeps llama.cpp's default.
     """
 
@@ -70,7 +73,7 @@ class Context:
                  n_seq_max: int = 1, n_threads: int | None = None, n_threads_batch: int | None = None,
                  flash_attn: bool | None = True, type_k: str = "f16", type_v: str = "f16",
                  offload_kqv: bool = True, kv_unified: bool | None = None, swa_full: bool | None = None,
-                 headinfer_gpu_heads_frac: float = 1.0):
+                 headinfer_gpu_heads_frac: float = 1.0, headinfer_vram_budget=None):
         self._handle = None
         self._batch = None
         frac = check_headinfer_frac(headinfer_gpu_heads_frac)
@@ -98,6 +101,12 @@ class Context:
             p.kv_unified = bool(kv_unified)
         if swa_full is not None:
             p.swa_full = bool(swa_full)
+        self.headinfer_plan = None
+        if headinfer_vram_budget is not None:
+            frac = self._frac_for_budget(model, headinfer_vram_budget, frac, n_ctx=n_ctx, n_batch=n_batch,
+                                         n_ubatch=n_ubatch, n_seq_max=n_seq_max, type_k=str(type_k).lower(),
+                                         type_v=str(type_v).lower(), flash_attn=flash_attn, offload_kqv=offload_kqv,
+                                         kv_unified=kv_unified, swa_full=swa_full)
         p.headinfer_gpu_heads_frac = frac
         with bindings.capture_log() as log:
             ptr = lib.llama_init_from_model(mptr, p)
@@ -123,6 +132,25 @@ class Context:
         self._out_n = 0  # tokens in the last llama_decode call
         self._all_logits: np.ndarray | None = None  # "all" over several batches
         self._out_rows: set = set()  # batch indices with logits after decode_batch()
+
+    def _frac_for_budget(self, model: Model, budget, frac: float, **params) -> float:
+        """The fraction for ``headinfer_vram_budget`` (see ``pyllama_headinfer.plan.plan_for_context``)."""
+        from ..plan import format_bytes, plan_for_context
+
+        if frac != 1.0:
+            raise ValueError(f"give headinfer_gpu_heads_frac ({frac}) or headinfer_vram_budget ({budget!r}), not both")
+        plan = plan_for_context(model.path, budget, n_gpu_layers=model.n_gpu_layers,
+                                gpu_offload=bool(self._lib.llama_supports_gpu_offload()), **params)
+        if plan is None:
+            logger.warning("headinfer_vram_budget %r ignored: this build has no GPU offload (nothing to budget); "
+                           "headinfer_gpu_heads_frac = 1.0", budget)
+            return 1.0
+        self.headinfer_plan = plan
+        r = plan.chosen
+        logger.info("headinfer_vram_budget %s: g = %d of %d KV heads on the device, headinfer_gpu_heads_frac = %.6g "
+                    "(estimated device total %s, %s of KV in host memory)", format_bytes(plan.budget), r.g,
+                    plan.n_head_kv, r.frac, format_bytes(r.device_total), format_bytes(r.host_kv))
+        return r.frac
 
     def _kv_type(self, name: str, value: str):
         try:

@@ -38,6 +38,7 @@ class Model:
             raise TypeError(f"n_gpu_layers must be an int, got {n_gpu_layers!r}")
         check_gguf(path)
         self.path = path
+        self.n_gpu_layers = int(n_gpu_layers)  # where the layers are: HeadInfer's VRAM budget plan needs it
         ffi, lib = self._ffi, self._lib = bindings.load()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
