@@ -4,7 +4,8 @@
 - :mod:`.exceptions` -- the exception types (``ModelError``, ``ClosedError``,
   ``ContextError``, ``DecodeError``, ``TokenError``, ``ContextOverflowError``,
   ``StateError``)
-- :mod:`.gguf_check` -- ``check_gguf``, the GGUF pre-flight check
+- :mod:`.gguf_check` -- ``check_gguf``, the GGUF pre-flight check (over the
+  package's one GGUF reader, :mod:`pyllama_headinfer.gguf_meta`)
 - :mod:`.model` -- ``Model``: loading, properties, tokenize / detokenize
 - :mod:`.sampler` -- ``Sampler``: llama.cpp sampler chains
 - :mod:`.context` -- ``Context``: decode, logits, generate, sequence ops,
