@@ -296,3 +296,12 @@ def llama(built):
     from pyllama_headinfer import llama
 
     return llama
+
+
+@pytest.fixture(scope="module")
+def models(llama, gguf_models):
+    """The synthetic test models, opened once per test module."""
+    opened = {name: llama.Model(path) for name, path in gguf_models.items()}
+    yield opened
+    for m in opened.values():
+        m.close()

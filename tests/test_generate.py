@@ -43,14 +43,6 @@ def force_split():
         yield
 
 
-@pytest.fixture(scope="module")
-def models(llama, gguf_models):
-    opened = {name: llama.Model(path) for name, path in gguf_models.items()}
-    yield opened
-    for m in opened.values():
-        m.close()
-
-
 def expected_resident(frac: float, n_head_kv: int) -> int:
     """Heads kept in the layer's own buffer: round(frac * n), at least one on
     each side of the split (the rule of the C++ side)."""

@@ -70,14 +70,6 @@ def force_split():
 
 
 @pytest.fixture(scope="module")
-def models(llama, gguf_models):
-    opened = {name: llama.Model(path) for name, path in gguf_models.items()}
-    yield opened
-    for m in opened.values():
-        m.close()
-
-
-@pytest.fixture(scope="module")
 def extra_models(llama, request, tmp_path_factory):
     cache = getattr(request.config, "cache", None)
     directory = Path(cache.mkdir("pyllama-headinfer-test-models")) if cache is not None \
