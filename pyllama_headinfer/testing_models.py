@@ -56,8 +56,21 @@ Memory on the device is small, the host has more: keep some heads here, some the
 SPM_SPACE = "\u2581"  # ▁
 
 
+class _GeneratedFile:
+    """What every model spec shares: its file name and the content key of its
+    cache entry (the spec, the corpus and the generator's version)."""
+
+    def cache_key(self) -> str:
+        payload = json.dumps({"v": GENERATOR_VERSION, "spec": asdict(self), "corpus": CORPUS}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.gguf"
+
+
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(_GeneratedFile):
     name: str
     arch: str  # gguf architecture name
     n_layer: int
@@ -77,13 +90,6 @@ class ModelSpec:
     rope_freq_base: float = 10000.0
     seed: int = 1234
 
-    def cache_key(self) -> str:
-        payload = json.dumps({"v": GENERATOR_VERSION, "spec": asdict(self), "corpus": CORPUS}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-    @property
-    def filename(self) -> str:
-        return f"{self.name}.gguf"
 
 
 SPECS: dict[str, ModelSpec] = {
@@ -410,7 +416,7 @@ def ensure_test_models(cache_dir: Path, names: Iterable[str] | None = None) -> d
 # model the other tests iterate over); use :func:`ensure_extra_models`.
 
 @dataclass(frozen=True)
-class RecurrentSpec:
+class RecurrentSpec(_GeneratedFile):
     """A Mamba (``arch="mamba"``) or Jamba (``arch="jamba"``) model: the layers
     listed in ``attn_layers`` are attention layers (Jamba only), the others
     Mamba layers with ``d_inner = 2 * n_embd`` (llama.cpp supports only that)."""
@@ -429,13 +435,6 @@ class RecurrentSpec:
     n_ctx_train: int = 4096
     seed: int = 1234
 
-    def cache_key(self) -> str:
-        payload = json.dumps({"v": GENERATOR_VERSION, "spec": asdict(self), "corpus": CORPUS}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-    @property
-    def filename(self) -> str:
-        return f"{self.name}.gguf"
 
     @property
     def head_dim(self) -> int:
