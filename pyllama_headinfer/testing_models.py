@@ -386,14 +386,23 @@ def ensure_test_models(cache_dir: Path, names: Iterable[str] | None = None) -> d
     """The test models in a content-addressed cache under ``cache_dir``
     (``<cache_dir>/<spec hash>/<name>.gguf``), generated on first use.  Safe
     when several processes race (each file is written atomically)."""
+    return _ensure_cached(SPECS, write_model, cache_dir, names, "test model")
+
+
+def _ensure_cached(specs: dict, write, cache_dir: Path, names: Iterable[str] | None, what: str) -> dict[str, Path]:
+    """``<cache_dir>/<spec hash>/<name>.gguf`` for each spec named (default: all),
+    written by ``write(spec, path)`` when missing."""
     cache_dir = Path(cache_dir)
-    names = list(SPECS) if names is None else list(names)
+    names = list(specs) if names is None else list(names)
+    unknown = [n for n in names if n not in specs]
+    if unknown:
+        raise ValueError(f"unknown {what}(s) {unknown}; known: {sorted(specs)}")
     out = {}
     for n in names:
-        spec = SPECS[n]
+        spec = specs[n]
         path = cache_dir / spec.cache_key() / spec.filename
         if not path.is_file():
-            write_model(spec, path)
+            write(spec, path)
         out[n] = path
     return out
 
@@ -544,16 +553,4 @@ def write_extra_model(spec, path: Path) -> Path:
 
 def ensure_extra_models(cache_dir: Path, names: Iterable[str] | None = None) -> dict[str, Path]:
     """Like :func:`ensure_test_models`, for :data:`EXTRA_SPECS`."""
-    cache_dir = Path(cache_dir)
-    names = list(EXTRA_SPECS) if names is None else list(names)
-    unknown = [n for n in names if n not in EXTRA_SPECS]
-    if unknown:
-        raise ValueError(f"unknown extra test model(s) {unknown}; known: {sorted(EXTRA_SPECS)}")
-    out = {}
-    for n in names:
-        spec = EXTRA_SPECS[n]
-        path = cache_dir / spec.cache_key() / spec.filename
-        if not path.is_file():
-            write_extra_model(spec, path)
-        out[n] = path
-    return out
+    return _ensure_cached(EXTRA_SPECS, write_extra_model, cache_dir, names, "extra test model")
