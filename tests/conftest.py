@@ -305,3 +305,13 @@ def models(llama, gguf_models):
     yield opened
     for m in opened.values():
         m.close()
+
+
+@pytest.fixture(scope="module")
+def residency_llama(llama):
+    """:func:`llama`, for tests that read the KV residency report."""
+    from pyllama_headinfer import bindings
+
+    if not bindings.has_kv_residency():
+        pytest.skip("libllama lacks llama_kv_residency_buffers: the HeadInfer C++ side is not built")
+    return llama

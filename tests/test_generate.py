@@ -31,12 +31,6 @@ THREADS = 1  # the test machines are small and shared; threads only slow tiny mo
 
 
 @pytest.fixture(scope="module")
-def residency(llama):
-    if not bindings.has_kv_residency():
-        pytest.skip("libllama lacks llama_kv_residency_buffers: the HeadInfer C++ side is not built yet")
-
-
-@pytest.fixture(scope="module")
 def force_split():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(FORCE_SPLIT, "1")
@@ -123,7 +117,7 @@ def assert_split_active(report: dict, baseline: dict, frac: float, n_head_kv: in
 
 
 @pytest.fixture(scope="module")
-def baselines(llama, models, residency, force_split):
+def baselines(llama, models, residency_llama, force_split):
     return {name: greedy_trace(llama, models[name], 1.0) for name in SPLIT_TEST_MODELS}
 
 
@@ -149,7 +143,7 @@ def test_generate_api_under_split(llama, models, baselines, force_split, name):
     assert out == baselines[name].tokens
 
 
-def test_split_iswa_gemma3(llama, models, residency, force_split):
+def test_split_iswa_gemma3(llama, models, residency_llama, force_split):
     """gemma3: sliding-window and global layers, both split."""
     model = models["gemma3-iswa"]
     base = greedy_trace(llama, model, 1.0, n_gen=32)
@@ -220,13 +214,13 @@ def _state_roundtrip(llama, model, frac):
 @pytest.mark.parametrize("scenario", [_multi_ubatch, _seq_rm_redecode, _seq_cp_streams, _state_roundtrip],
                          ids=lambda f: f.__name__.strip("_"))
 @pytest.mark.parametrize("name", SPLIT_TEST_MODELS)
-def test_split_scenarios(llama, models, residency, force_split, name, scenario):
+def test_split_scenarios(llama, models, residency_llama, force_split, name, scenario):
     model = models[name]
     assert_bit_identical(scenario(llama, model, 1.0), scenario(llama, model, 0.5), f"{name} {scenario.__name__}")
 
 
 @pytest.mark.parametrize("save_frac, load_frac", [(1.0, 0.5), (0.5, 1.0), (0.25, 0.75)])
-def test_state_across_fracs(llama, models, residency, force_split, save_frac, load_frac):
+def test_state_across_fracs(llama, models, residency_llama, force_split, save_frac, load_frac):
     """A state saved with one split loads into a context with another."""
     model = models["llama-gqa"]
     prompt = prompt_of(model)
@@ -249,7 +243,7 @@ def test_state_across_fracs(llama, models, residency, force_split, save_frac, lo
 # when the split does not apply
 
 
-def test_no_split_without_force_on_cpu(llama, models, residency, monkeypatch):
+def test_no_split_without_force_on_cpu(llama, models, residency_llama, monkeypatch):
     """CPU-only: the KV is in host memory already, nothing is split unless forced."""
     monkeypatch.delenv(FORCE_SPLIT, raising=False)
     model = models["llama-gqa"]
@@ -259,7 +253,7 @@ def test_no_split_without_force_on_cpu(llama, models, residency, monkeypatch):
     assert all(x["n_head_resident"] == x["n_head_kv"] for x in report["layers"])
 
 
-def test_no_split_without_flash_attention(llama, models, residency, force_split):
+def test_no_split_without_flash_attention(llama, models, residency_llama, force_split):
     """A transposed V cache (flash attention off) is not split; results unchanged."""
     model = models["qwen2"]
     base = greedy_trace(llama, model, 1.0, n_gen=8, flash_attn=False)
@@ -301,7 +295,7 @@ def test_cli_output_matches_api(llama, gguf_models, models, capsys):
     assert out == expected + "\n"
 
 
-def test_cli_split_report(llama, gguf_models, residency, force_split, capsys):
+def test_cli_split_report(llama, gguf_models, residency_llama, force_split, capsys):
     rc = _cli("--model", str(gguf_models["llama-gqa"]), "--prompt", "Once upon a time", "-n", "8",
               "--frac", "0.5", "--seed", "3", "--ctx", "256", "--threads", "1")
     out, err = capsys.readouterr()
@@ -311,7 +305,7 @@ def test_cli_split_report(llama, gguf_models, residency, force_split, capsys):
     assert "headinfer: gpu_heads_frac = 0.500, 3 of 3 layers split" in err
 
 
-def test_cli_says_why_nothing_was_split(llama, gguf_models, residency, capsys, monkeypatch):
+def test_cli_says_why_nothing_was_split(llama, gguf_models, residency_llama, capsys, monkeypatch):
     monkeypatch.delenv(FORCE_SPLIT, raising=False)
     rc = _cli("--model", str(gguf_models["llama-gqa"]), "--prompt", "Once upon a time", "-n", "2",
               "--frac", "0.5", "--ctx", "256", "--threads", "1")

@@ -49,16 +49,12 @@ THREADS = 1
 N_PROMPT = 40
 N_GEN = 12
 
+# every test here reads the residency report (to prove the split was active)
+pytestmark = pytest.mark.usefixtures("residency_llama")
+
 
 # --------------------------------------------------------------------------
 # fixtures
-
-
-@pytest.fixture(scope="module")
-def llama(llama):
-    if not bindings.has_kv_residency():
-        pytest.skip("libllama lacks llama_kv_residency_buffers: the HeadInfer C++ side is not built")
-    return llama
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -319,15 +319,6 @@ def test_cli_usage_error(capsys):
 
 
 @pytest.fixture(scope="module")
-def residency_llama(llama):
-    from pyllama_headinfer import bindings
-
-    if not bindings.has_kv_residency():
-        pytest.skip("libllama lacks llama_kv_residency_buffers: the HeadInfer C++ side is not built")
-    return llama
-
-
-@pytest.fixture(scope="module")
 def opened(residency_llama, all_models):
     models = {name: residency_llama.Model(path) for name, path in all_models.items()}
     yield models
