@@ -38,6 +38,7 @@ SUBCOMMANDS: Sequence[Subcommand] = (
     Subcommand("build", "pyllama_headinfer.build", "configure and compile the patched llama.cpp"),
     Subcommand("generate", "pyllama_headinfer.generate_cli", "generate text with HeadInfer"),
     Subcommand("plan", "pyllama_headinfer.plan_cli", "choose the head fraction from a VRAM budget (no weights loaded)"),
+    Subcommand("bench", "pyllama_headinfer.bench_cli", "measure speed and KV memory over frac x depth x KV type"),
 )
 
 

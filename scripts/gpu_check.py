@@ -5,7 +5,8 @@
     python scripts/gpu_check.py [--ngl 99] [--models DIR] [--fracs 0.75,0.5,0.25] [--types f16,q8_0]
 
 For each synthetic test model (written with the gguf package if --models is
-not given) and KV type, every scenario runs once unsplit (frac 1.0) and once
+not given; with them llama-8b-heads, Llama-3-8B's attention geometry in two
+layers) and KV type, every scenario runs once unsplit (frac 1.0) and once
 per fraction, all layers offloaded, and must give the same tokens and the same
 logits, bit for bit:
 
@@ -141,11 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fracs", default="0.75,0.5,0.25")
     ap.add_argument("--types", default="f16,q8_0")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--no-8b-heads", dest="with_8b_heads", action="store_false",
+                    help="skip the model with Llama-3-8B's attention geometry (8 KV heads of 128, 2 layers)")
     args = ap.parse_args(argv)
 
     models_dir = args.models or Path(tempfile.mkdtemp(prefix="headinfer-models-"))
-    paths = testing_models.write_test_models(models_dir) if args.models is None else {
-        p.stem: p for p in sorted(models_dir.glob("*.gguf"))}
+    if args.models is None:
+        paths = testing_models.write_test_models(models_dir)
+        if args.with_8b_heads:
+            paths.update(testing_models.ensure_extra_models(models_dir, ["llama-8b-heads"]))
+    else:
+        paths = {p.stem: p for p in sorted(models_dir.glob("*.gguf"))}
     fracs = [float(f) for f in args.fracs.split(",")]
     failures = 0
     for name, path in paths.items():

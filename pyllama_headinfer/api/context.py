@@ -274,6 +274,11 @@ class Context:
             self._out_n = m
         self._out_mode = logits
 
+    def synchronize(self) -> None:
+        """Wait until the device has finished the work of the last decode
+        (llama.cpp may return from ``llama_decode`` before; for timing)."""
+        self._lib.llama_synchronize(self._ptr())
+
     def decode_batch(self, seqs) -> dict[int, int]:
         """Evaluate tokens of several sequences in one ``llama_batch`` (one
         ``llama_decode`` call), e.g. parallel generation for several prompts.

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""The plan's prediction against what llama.cpp really allocates on the GPU.
+
+    python -m pyllama_headinfer build                      # CUDA build
+    python scripts/plan_check.py --model b8.gguf --ctx 8192,32768,131072 --fracs 1,0.75,0.5,0.25 \\
+        [--types f16,q8_0] [--ngl 99] [--device CUDA0] [--json out.json]
+
+For each model, context size, KV type and fraction: ``plan_kv`` predicts the
+device's KV bytes (as CUDA allocates them), its compute buffer and the total
+with the weights; then a real context is created and compared with
+
+- the ``<device> model/KV/compute buffer size`` lines llama.cpp logs (MiB, 2 decimals),
+- the residency report (exact KV bytes in the device buffers),
+- the GPU's used memory before and after creating the context (nvidia-smi;
+  this also counts what no log line shows: the CUDA context, cuBLAS workspaces).
+
+Prints one row per run and the worst total difference (the acceptance is KV
+exact, total within 5 %). The model is loaded once per file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pyllama_headinfer import bindings  # noqa: E402
+from pyllama_headinfer.llama import Context, Model  # noqa: E402
+from pyllama_headinfer.plan import plan_kv  # noqa: E402
+
+MIB = 1 << 20
+
+
+def gpu_used_mib() -> float | None:
+    """Used memory of GPU 0 in MiB (nvidia-smi), None without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, check=True).stdout
+        return float(out.strip().splitlines()[0])
+    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
+        return None
+
+
+def logged_mib(log, device: str, what: str) -> float:
+    pattern = re.compile(rf"{re.escape(device)} {what} buffer size = +([\d.]+) MiB")
+    return sum(float(m.group(1)) for _, text in log for m in [pattern.search(text)] if m)
+
+
+def check_one(model: Model, model_log, device: str, n_ctx: int, frac: float, kv: str, ngl: int) -> dict:
+    plan = plan_kv(model.path, n_ctx, n_gpu_layers=ngl, type_k=kv, type_v=kv, kv_unified=False, swa_full=True)
+    row = plan.row_for_frac(frac)
+    before = gpu_used_mib()
+    with bindings.capture_log() as log, Context(model, n_ctx=n_ctx, type_k=kv, type_v=kv, kv_unified=False,
+                                                swa_full=True, headinfer_gpu_heads_frac=frac) as ctx:
+        after = gpu_used_mib()
+        report = ctx.kv_residency()
+    device_kv_exact = sum(b["k"] + b["v"] for name, b in report["buffers"].items()
+                          if name == device and not b["headinfer_host"])
+    got = {"weights": logged_mib(model_log, device, "model"), "KV": logged_mib(log, device, "KV"),
+           "compute": logged_mib(log, device, "compute")}
+    want = {"weights": plan.weights.device_alloc / MIB, "KV": row.device_kv_alloc / MIB, "compute": row.compute / MIB}
+    got["total"], want["total"] = sum(got.values()), sum(want.values())
+    return {"model": model.path.name, "n_ctx": n_ctx, "kv": kv, "frac": frac, "got": got, "plan": want,
+            "device_kv_exact": device_kv_exact, "plan_device_kv": row.device_kv,
+            "smi_context_mib": None if before is None or after is None else after - before}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", "-m", action="append", required=True, help="GGUF model (repeatable)")
+    ap.add_argument("--ctx", default="8192,32768")
+    ap.add_argument("--fracs", default="1,0.5,0.25")
+    ap.add_argument("--types", default="f16")
+    ap.add_argument("--ngl", type=int, default=99)
+    ap.add_argument("--device", default="CUDA0", help="buffer name of the GPU in llama.cpp's log (default CUDA0)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    logging.getLogger("pyllama_headinfer.llama").setLevel(logging.INFO)
+
+    results, worst, kv_exact = [], 0.0, True
+    print(f"{'model':18} {'n_ctx':>7} {'kv':5} {'frac':>5} | {'KV MiB plan/got':>21} | {'compute plan/got':>19} | "
+          f"{'total plan/got':>21} {'diff':>6} | {'KV bytes exact':>14} | {'smi Δ MiB':>9}")
+    for path in args.model:
+        with bindings.capture_log() as model_log, Model(path, n_gpu_layers=args.ngl) as model:
+            model_log = list(model_log)
+            for kv in args.types.split(","):
+                for n_ctx in (int(c) for c in args.ctx.split(",")):
+                    for frac in (float(f) for f in args.fracs.split(",")):
+                        r = check_one(model, model_log, args.device, n_ctx, frac, kv, args.ngl)
+                        results.append(r)
+                        g, w = r["got"], r["plan"]
+                        diff = (w["total"] - g["total"]) / g["total"] * 100 if g["total"] else float("nan")
+                        worst = max(worst, abs(diff))
+                        exact = r["device_kv_exact"] == r["plan_device_kv"]
+                        kv_exact &= exact
+                        smi = "-" if r["smi_context_mib"] is None else f"{r['smi_context_mib']:.0f}"
+                        print(f"{r['model'][:18]:18} {n_ctx:>7} {kv:5} {frac:>5g} | {w['KV']:>10.2f}/{g['KV']:<10.2f} | "
+                              f"{w['compute']:>9.2f}/{g['compute']:<9.2f} | {w['total']:>10.2f}/{g['total']:<10.2f} "
+                              f"{diff:>+5.1f}% | {('yes' if exact else 'NO'):>14} | {smi:>9}", flush=True)
+    print(f"worst total difference {worst:.1f}% ({'within' if worst <= 5 else 'OUTSIDE'} 5%); "
+          f"device KV bytes {'exact in every run' if kv_exact else 'NOT exact'}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    return 0 if worst <= 5 and kv_exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
