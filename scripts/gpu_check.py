@@ -51,9 +51,12 @@ def greedy_steps(ctx: Context, n: int, seq_id: int = 0, tokens=None, logits=None
     return tokens, logits
 
 
-def scenario_greedy(ctx: Context, prompt: list) -> tuple[list, list]:
+def scenario_greedy(ctx: Context, prompt: list, kv_bytes: list) -> tuple[list, list]:
     ctx.decode(prompt)
-    return greedy_steps(ctx, N_GEN)
+    kv_bytes.append(ctx.save_state())  # the KV bytes the prompt stored, in the logical (unsplit) layout
+    tokens, logits = greedy_steps(ctx, N_GEN)
+    kv_bytes.append(ctx.save_state())
+    return tokens, logits
 
 
 def scenario_state(ctx: Context, prompt: list, make_ctx) -> tuple[list, list]:
@@ -93,23 +96,24 @@ def scenario_streams(ctx: Context, prompt: list) -> tuple[list, list]:
 SCENARIOS = ("greedy", "state", "shift", "streams")
 
 
-def run(model: Model, scenario: str, frac: float, kv_type: str, prompt: list) -> tuple[list, list, dict]:
+def run(model: Model, scenario: str, frac: float, kv_type: str, prompt: list) -> tuple[list, list, dict, list]:
     def make_ctx() -> Context:
         return Context(model, n_ctx=256, n_batch=256, n_ubatch=256, flash_attn=True,
                        type_k=kv_type, type_v=kv_type, n_seq_max=2 if scenario == "streams" else 1,
                        kv_unified=False, headinfer_gpu_heads_frac=frac)
 
+    kv_bytes: list = []
     with make_ctx() as ctx:
         report = ctx.kv_residency()
         if scenario == "greedy":
-            tokens, logits = scenario_greedy(ctx, prompt)
+            tokens, logits = scenario_greedy(ctx, prompt, kv_bytes)
         elif scenario == "state":
             tokens, logits = scenario_state(ctx, prompt, make_ctx)
         elif scenario == "shift":
             tokens, logits = scenario_shift(ctx, prompt)
         else:
             tokens, logits = scenario_streams(ctx, prompt)
-    return tokens, logits, report
+    return tokens, logits, report, kv_bytes
 
 
 def residency_problems(report: dict, base: dict) -> list[str]:
@@ -160,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             prompt = model.tokenize(testing_models.CORPUS)[:N_PROMPT]
             for kv_type in args.types.split(","):
                 for scenario in args.scenarios.split(","):
-                    base_tokens, base_logits, base_report = run(model, scenario, 1.0, kv_type, prompt)
+                    base_tokens, base_logits, base_report, base_kv = run(model, scenario, 1.0, kv_type, prompt)
                     for frac in fracs:
-                        tokens, logits, report = run(model, scenario, frac, kv_type, prompt)
+                        tokens, logits, report, kv = run(model, scenario, frac, kv_type, prompt)
                         same_logits = len(logits) == len(base_logits) and all(
                             np.array_equal(a, b) for a, b in zip(logits, base_logits))
                         problems = residency_problems(report, base_report)
@@ -170,7 +174,13 @@ def main(argv: list[str] | None = None) -> int:
                             problems.append("tokens differ")
                         if not same_logits:
                             diff = max(float(np.max(np.abs(a - b))) for a, b in zip(logits, base_logits))
-                            problems.append(f"logits differ (max |diff| {diff:.3g})")
+                            first = next(i for i, (a, b) in enumerate(zip(logits, base_logits))
+                                         if not np.array_equal(a, b))
+                            problems.append(f"logits differ from step {first} (max |diff| {diff:.3g})")
+                        # greedy: were the stored KV bytes already different (a store), or only the logits (compute)?
+                        for what, a, b in zip(("after the prompt", "at the end"), kv, base_kv):
+                            if a != b:
+                                problems.append(f"KV bytes differ {what}")
                         where = ", ".join(f"{k}: {(v['k'] + v['v']) / 2**20:.2f} MiB"
                                           for k, v in report["buffers"].items())
                         status = "ok  " if not problems else "FAIL"
