@@ -23,6 +23,7 @@ Prints one line per check and exits 1 if any check failed.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -148,7 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--no-8b-heads", dest="with_8b_heads", action="store_false",
                     help="skip the model with Llama-3-8B's attention geometry (8 KV heads of 128, 2 layers)")
+    ap.add_argument("--no-cuda-fusion", action="store_true",
+                    help="set GGML_CUDA_DISABLE_FUSION=1: CUDA fuses ROPE->VIEW->SET_ROWS only where the whole K row "
+                         "is stored, i.e. in the unsplit graph, and its fused result differs from the unfused one "
+                         "(docs/GPU.md); without fusion both graphs run the same kernels")
     args = ap.parse_args(argv)
+    if args.no_cuda_fusion:
+        os.environ["GGML_CUDA_DISABLE_FUSION"] = "1"  # read by ggml-cuda at its first graph, after this
+    print(f"CUDA kernel fusion: {'off' if os.environ.get('GGML_CUDA_DISABLE_FUSION', '0') not in ('', '0') else 'on'}")
 
     models_dir = args.models or Path(tempfile.mkdtemp(prefix="headinfer-models-"))
     if args.models is None:
