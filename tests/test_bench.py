@@ -1,0 +1,92 @@
+"""The ``bench`` command and :mod:`pyllama_headinfer.bench` on the CPU.
+
+The timings themselves are not asserted (benchmarks, not tests); what is: the
+sweep covers every point in order, the KV bytes come from llama.cpp's
+residency report and move between the device and the host columns as the
+fraction says, and bad input is a one-line error that loads nothing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pyllama_headinfer import bench, bench_cli, cli
+
+FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
+
+
+@pytest.fixture
+def force_split(monkeypatch):
+    monkeypatch.setenv(FORCE_SPLIT, "1")
+
+
+def test_sweep_points_order_and_budget():
+    points = bench.sweep_points([1.0, 0.5], [0, 64], [("f16", "f16"), ("q8_0", "f16")])
+    assert [(p.type_k, p.type_v, p.depth, p.frac) for p in points] == [
+        ("f16", "f16", 0, 1.0), ("f16", "f16", 0, 0.5), ("f16", "f16", 64, 1.0), ("f16", "f16", 64, 0.5),
+        ("q8_0", "f16", 0, 1.0), ("q8_0", "f16", 0, 0.5), ("q8_0", "f16", 64, 1.0), ("q8_0", "f16", 64, 0.5)]
+    assert points[4].kv == "q8_0/f16" and points[0].kv == "f16"
+    budget = bench.sweep_points([1.0, 0.5], [128], [("f16", "f16")], vram_budget="1GiB")
+    assert [(p.frac, p.vram_budget) for p in budget] == [(None, "1GiB")]
+
+
+def test_parse_kv_types():
+    assert bench_cli.parse_kv_types("f16, Q8_0,q8_0:f16") == [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "f16")]
+
+
+def test_filler_tokens_are_plain_and_exact_length(models):
+    model = models["llama-gqa"]
+    toks = bench.filler_tokens(model, 300)
+    assert len(toks) == 300 and bench.filler_tokens(model, 0) == []
+    assert not any(model.is_eog(t) for t in toks)
+
+
+def test_run_point_measures_and_reports_residency(models, force_split):
+    model = models["llama-gqa"]
+    whole = bench.run_point(model, bench.BenchPoint(depth=64, frac=1.0), n_gen=4, n_batch=32)
+    split = bench.run_point(model, bench.BenchPoint(depth=64, frac=0.5), n_gen=4, n_batch=32, repeat=2)
+    assert whole.prompt_tps > 0 and whole.decode_tps > 0 and len(split.decode_tps_runs) == 2
+    assert whole.host_kv_bytes == 0 and whole.n_layers_split == 0
+    assert split.n_layers_split == split.n_layers == 3
+    # half of the heads moved: the bytes are split evenly and nothing is lost
+    assert split.device_kv_bytes == split.host_kv_bytes
+    assert whole.device_kv_bytes == split.device_kv_bytes + split.host_kv_bytes
+    depth0 = bench.run_point(model, bench.BenchPoint(depth=0, frac=0.5), n_gen=2)
+    assert depth0.prompt_tps is None
+
+
+def test_bench_cli_table_and_json(models, gguf_models, force_split, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = cli.main(["bench", "-m", str(gguf_models["llama-gqa"]), "--fracs", "1,0.25", "--depths", "0,32",
+                   "--types", "f16,q8_0", "-n", "2", "--batch", "16", "--json", str(out), "--no-plot"])
+    assert rc == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["frac", "depth", "KV"]
+    assert len(table) == 2 + 8  # header, rule, 2 fracs x 2 depths x 2 types
+    rows = json.loads(out.read_text())
+    assert [(r["frac"], r["depth"], r["type_k"]) for r in rows][:4] == [
+        (1.0, 0, "f16"), (0.25, 0, "f16"), (1.0, 32, "f16"), (0.25, 32, "f16")]
+    quarter = [r for r in rows if r["frac"] == 0.25]
+    assert all(r["host_kv_bytes"] == 3 * r["device_kv_bytes"] for r in quarter)  # 1 of 4 heads resident
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fracs", "1,abc"], "cannot read fractions"),
+    (["--fracs", "1.5"], "headinfer_gpu_heads_frac"),
+    (["--depths", "-4"], "cannot read depths"),
+    (["--vram-budget", "8GiB", "--fracs", "0.5"], "not both"),
+    (["--vram-budget", "lots"], "cannot read 'lots' as a size"),
+    (["-n", "0"], "must be >= 1"),
+])
+def test_bench_cli_bad_input_is_a_usage_error(argv, message, gguf_models, capsys):
+    rc = cli.main(["bench", "-m", str(gguf_models["llama-gqa"]), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_bench_cli_missing_model(tmp_path, capsys):
+    rc = cli.main(["bench", "-m", str(tmp_path / "nope.gguf"), "--depths", "0"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "model file not found" in err and "Traceback" not in err
