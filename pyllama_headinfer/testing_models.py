@@ -455,15 +455,28 @@ EXTRA_SPECS: dict = {
     for s in (
         ModelSpec(name="llama-mqa", arch="llama", n_layer=2, n_embd=256, n_head=8, n_head_kv=1, head_dim=64,
                   n_ff=512, tokenizer="spm", n_vocab=512, dtype="f16", seed=1011),
-        # Llama-3-8B's attention geometry (32 query heads, 8 KV heads of 128, n_embd 4096) in 2 layers: the GPU
-        # check runs the split on the real head shapes without writing an 8B model (~210 MB)
-        ModelSpec(name="llama-8b-heads", arch="llama", n_layer=2, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128,
-                  n_ff=1024, tokenizer="spm", n_vocab=512, dtype="f16", rope_freq_base=500000.0, seed=1014),
         RecurrentSpec(name="jamba-hybrid", arch="jamba", n_layer=4, n_embd=256, n_vocab=512, n_ff=512,
                       attn_layers=(1, 3), n_head=4, n_head_kv=2, seed=1012),
         RecurrentSpec(name="mamba", arch="mamba", n_layer=2, n_embd=256, n_vocab=512, seed=1013),
     )
 }
+
+
+# Too big for the test suite (~216 MB): only scripts/gpu_check.py writes them.
+GPU_SPECS: dict[str, ModelSpec] = {
+    s.name: s
+    for s in (
+        # Llama-3-8B's attention geometry (32 query heads, 8 KV heads of 128, n_embd 4096) in 2 layers: the GPU
+        # check runs the split on the real head shapes without writing an 8B model
+        ModelSpec(name="llama-8b-heads", arch="llama", n_layer=2, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128,
+                  n_ff=1024, tokenizer="spm", n_vocab=512, dtype="f16", rope_freq_base=500000.0, seed=1014),
+    )
+}
+
+
+def ensure_gpu_models(cache_dir: Path, names: Iterable[str] | None = None) -> dict[str, Path]:
+    """Like :func:`ensure_test_models`, for :data:`GPU_SPECS`."""
+    return _ensure_cached(GPU_SPECS, write_model, cache_dir, names, "GPU check model")
 
 
 def write_recurrent_model(spec: RecurrentSpec, path: Path) -> Path:

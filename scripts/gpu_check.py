@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.models is None:
         paths = testing_models.write_test_models(models_dir)
         if args.with_8b_heads:
-            paths.update(testing_models.ensure_extra_models(models_dir, ["llama-8b-heads"]))
+            paths.update(testing_models.ensure_gpu_models(models_dir, ["llama-8b-heads"]))
     else:
         paths = {p.stem: p for p in sorted(models_dir.glob("*.gguf"))}
     fracs = [float(f) for f in args.fracs.split(",")]
