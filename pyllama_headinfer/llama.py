@@ -30,11 +30,15 @@ while the code lives in :mod:`pyllama_headinfer.api`, one job per module:
   ops, state), :data:`KV_CACHE_TYPES`, :func:`check_headinfer_frac`
 - ``api/residency.py``   the HeadInfer KV residency report: reading it,
   :func:`format_kv_residency`, :data:`HEADINFER_HOST_SUFFIX`
+- ``api/devices.py``     the devices (:func:`list_devices`) a model can be
+  spread over (``Model(devices=..., split_mode=..., tensor_split=...)``), and
+  RPC servers (:func:`rpc_add_server`, :func:`rpc_serve`)
 """
 
 from __future__ import annotations
 
 from .api.context import KV_CACHE_TYPES, Context, check_headinfer_frac, logger
+from .api.devices import DeviceInfo, list_devices, rpc_add_server, rpc_serve
 from .api.exceptions import (ClosedError, ContextError, ContextOverflowError, DecodeError, ModelError,
                              StateError, TokenError)
 from .api.gguf_check import check_gguf
@@ -48,6 +52,7 @@ __all__ = [
     "Model", "Context", "Sampler",
     # helpers
     "check_gguf", "check_headinfer_frac", "format_kv_residency",
+    "DeviceInfo", "list_devices", "rpc_add_server", "rpc_serve",
     "KV_CACHE_TYPES", "HEADINFER_HOST_SUFFIX", "logger",
     # exceptions
     "HeadInferError", "ModelError", "ClosedError", "ContextError", "DecodeError", "TokenError",

@@ -16,16 +16,26 @@ logits, bit for bit:
 - streams: two KV streams (kv_unified = False), seq_cp across them, generate on the copy.
 
 Each split run also checks the residency report: the device buffers hold exactly
-g/n_head_kv of the unsplit bytes per layer and the host halves the rest.
+g/n_head_kv of the unsplit bytes (each device of its own unsplit share) and the
+host halves the rest.
+
+Several devices: --devices CUDA0,CUDA1 [--split-mode layer|row] spreads the
+layers as llama.cpp's -sm/--device do; --rpc 2 starts two local RPC servers
+(a build with -DGGML_RPC=ON) and uses them, so the multi-device path runs on a
+machine without GPUs (tests/test_multi_device.py).
 Prints one line per check and exits 1 if any check failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import socket
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyllama_headinfer import testing_models  # noqa: E402
-from pyllama_headinfer.llama import Context, Model  # noqa: E402
+from pyllama_headinfer.llama import Context, Model, rpc_add_server  # noqa: E402
 
 N_PROMPT = 40
 N_GEN = 64
@@ -137,7 +147,48 @@ def residency_problems(report: dict, base: dict) -> list[str]:
         (g, n), = shares
         if dev_total * n != base_total * g:
             problems.append(f"device KV {dev_total} B is not {g}/{n} of the unsplit {base_total} B")
+        # with several devices, each holds g/n of its own unsplit share
+        for name, b in dev.items():
+            unsplit = base["buffers"].get(name)
+            if unsplit is None or (b["k"] + b["v"]) * n != (unsplit["k"] + unsplit["v"]) * g:
+                problems.append(f"{name}: KV {b['k'] + b['v']} B is not {g}/{n} of its unsplit share "
+                                f"{None if unsplit is None else unsplit['k'] + unsplit['v']} B")
     return problems
+
+
+@contextlib.contextmanager
+def rpc_servers(n: int, timeout: float = 30.0):
+    """n local RPC servers (this build's CPU device each, own processes): yields their endpoints."""
+    procs, endpoints = [], []
+    root = Path(__file__).resolve().parents[1]
+    try:
+        for _ in range(n):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
+            code = f"import sys; sys.path.insert(0, {str(root)!r}); from pyllama_headinfer.llama import rpc_serve; " \
+                   f"rpc_serve({endpoint!r})"
+            procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE))
+            endpoints.append(endpoint)
+        for endpoint, proc in zip(endpoints, procs):
+            host, port = endpoint.rsplit(":", 1)
+            deadline = time.monotonic() + timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"RPC server {endpoint} exited: {proc.stderr.read().decode()[-500:]}")
+                try:
+                    socket.create_connection((host, int(port)), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"RPC server {endpoint} did not start within {timeout:g} s") from None
+                    time.sleep(0.1)
+        yield endpoints
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--no-8b-heads", dest="with_8b_heads", action="store_false",
                     help="skip the model with Llama-3-8B's attention geometry (8 KV heads of 128, 2 layers)")
+    ap.add_argument("--devices", default=None,
+                    help="comma-separated devices to spread the layers over, e.g. CUDA0,CUDA1 (default: llama.cpp's)")
+    ap.add_argument("--split-mode", default="layer", choices=("layer", "row", "none"),
+                    help="how llama.cpp spreads the layers over several devices (default: layer)")
+    ap.add_argument("--rpc", type=int, default=0, metavar="N",
+                    help="start N local RPC servers (a build with -DGGML_RPC=ON) and use their devices: "
+                         "several offload devices on a machine without GPUs")
     ap.add_argument("--no-cuda-fusion", action="store_true",
                     help="set GGML_CUDA_DISABLE_FUSION=1: CUDA fuses ROPE->VIEW->SET_ROWS only where the whole K row "
                          "is stored, i.e. in the unsplit graph, and its fused result differs from the unfused one "
@@ -166,9 +224,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         paths = {p.stem: p for p in sorted(models_dir.glob("*.gguf"))}
     fracs = [float(f) for f in args.fracs.split(",")]
+    with (rpc_servers(args.rpc) if args.rpc else contextlib.nullcontext([])) as endpoints:
+        devices = [d for e in endpoints for d in rpc_add_server(e)] or \
+            (args.devices.split(",") if args.devices else None)
+        if devices:
+            print(f"devices: {', '.join(devices)} (split mode {args.split_mode})")
+        failures = check_models(paths, fracs, args, devices)
+    print(f"{failures} check(s) failed" if failures else "all checks passed")
+    return 1 if failures else 0
+
+
+def check_models(paths: dict, fracs: list, args, devices) -> int:
+    """Every model x type x scenario x frac against frac 1.0; prints a line per check, returns the failures."""
     failures = 0
     for name, path in paths.items():
-        with Model(path, n_gpu_layers=args.ngl) as model:
+        with Model(path, n_gpu_layers=args.ngl, devices=devices, split_mode=args.split_mode) as model:
             prompt = model.tokenize(testing_models.CORPUS)[:N_PROMPT]
             for kv_type in args.types.split(","):
                 for scenario in args.scenarios.split(","):
@@ -195,8 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                         failures += bool(problems)
                         print(f"{status} {name:12s} {kv_type:5s} {scenario:8s} frac={frac:.2f} "
                               f"steps={len(logits):3d} [{where}] {'; '.join(problems)}", flush=True)
-    print(f"{failures} check(s) failed" if failures else "all checks passed")
-    return 1 if failures else 0
+    return failures
 
 
 if __name__ == "__main__":

@@ -23,10 +23,16 @@ class Model:
 
     ``n_gpu_layers``: layers to offload (-1 = all; 0 = CPU only).
     ``use_mmap``: map the file instead of reading it.
+    ``devices``: names of the devices to offload to (see
+    :func:`~pyllama_headinfer.api.devices.list_devices`; default: llama.cpp's
+    choice, every GPU). ``split_mode``: "layer" (llama.cpp's default), "row"
+    or "none" -- how the layers are spread over several devices;
+    ``tensor_split``: the share of each device, as llama.cpp's ``--tensor-split``.
     """
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, use_mmap: bool = True, *,
-                 vocab_only: bool = False):
+                 vocab_only: bool = False, devices: Sequence[str] | None = None, split_mode: str = "layer",
+                 tensor_split: Sequence[float] | None = None):
         self._handle = None
         self._contexts: weakref.WeakSet = weakref.WeakSet()
         path = Path(os.fspath(path))
@@ -45,13 +51,42 @@ class Model:
         params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if (use_mmap and lib.llama_supports_mmap()) \
             else lib.LLAMA_LOAD_MODE_NONE
         params.vocab_only = bool(vocab_only)
+        keep = self._set_placement(params, devices, split_mode, tensor_split)  # alive until the load returns
         with bindings.capture_log() as log:
             ptr = lib.llama_model_load_from_file(os.fsencode(path), params)
+        del keep  # llama.cpp has copied what the device / split arrays said
         if ptr == ffi.NULL:
             raise ModelError(f"llama.cpp could not load {path}: {_log_tail(log) or 'no reason given'}")
         self._handle = ffi.gc(ptr, lib.llama_model_free)
         self._vocab = lib.llama_model_get_vocab(ptr)
         self.n_vocab: int = int(lib.llama_vocab_n_tokens(self._vocab))
+
+    _SPLIT_MODES = {"none": "LLAMA_SPLIT_MODE_NONE", "layer": "LLAMA_SPLIT_MODE_LAYER", "row": "LLAMA_SPLIT_MODE_ROW"}
+
+    def _set_placement(self, params, devices, split_mode: str, tensor_split) -> list:
+        """Fill the devices / split mode / tensor split of ``params``; returns the
+        cffi arrays they point to, which must outlive the load."""
+        ffi, lib = self._ffi, self._lib
+        if split_mode not in self._SPLIT_MODES:
+            raise ValueError(f"split_mode must be one of {sorted(self._SPLIT_MODES)}, got {split_mode!r}")
+        params.split_mode = getattr(lib, self._SPLIT_MODES[split_mode])
+        keep = []
+        if devices is not None:
+            from .devices import device_handles
+
+            if isinstance(devices, str) or not devices:
+                raise ValueError(f"devices must be a non-empty list of device names, got {devices!r}")
+            keep.append(device_handles(list(devices)))
+            params.devices = keep[-1]
+        if tensor_split is not None:
+            shares = [float(x) for x in tensor_split]
+            n_max = int(lib.llama_max_devices())
+            if not shares or len(shares) > n_max or any(not (x >= 0) for x in shares) or sum(shares) <= 0:
+                raise ValueError(f"tensor_split must be 1 to {n_max} non-negative shares, not all zero, "
+                                 f"got {list(tensor_split)!r}")
+            keep.append(ffi.new("float[]", shares + [0.0] * (n_max - len(shares))))
+            params.tensor_split = keep[-1]
+        return keep
 
     # -- lifetime ---------------------------------------------------------- #
 

@@ -15,6 +15,27 @@
  * the build asserts that each declaration has the type of the real function.
  */
 
+/* ---- ggml backend devices (ggml-backend.h, included by llama.h) -------- */
+/* Which devices a model's layers go to; RPC servers are added through the
+   RPC registry's proc addresses, so builds without GGML_RPC link too. */
+
+typedef struct ggml_backend_reg * ggml_backend_reg_t;
+typedef struct ggml_backend_device * ggml_backend_dev_t;
+
+enum ggml_backend_dev_type { GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_GPU, ... };
+
+size_t ggml_backend_dev_count(void);
+ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
+const char * ggml_backend_dev_name(ggml_backend_dev_t device);
+const char * ggml_backend_dev_description(ggml_backend_dev_t device);
+enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
+ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
+void ggml_backend_register(ggml_backend_reg_t reg);
+size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
+ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
+void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
+
 /* ---- basic types ------------------------------------------------------- */
 
 typedef int32_t llama_pos;
@@ -114,10 +135,12 @@ typedef struct llama_batch {
 } llama_batch;
 
 struct llama_model_params {
+    ggml_backend_dev_t * devices;   /* NULL-terminated; NULL = all devices */
     int32_t n_gpu_layers;
     enum llama_split_mode split_mode;
     enum llama_load_mode  load_mode;
     int32_t main_gpu;
+    const float * tensor_split;
     bool vocab_only;
     bool check_tensors;
     ...;

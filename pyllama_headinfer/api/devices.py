@@ -1,0 +1,108 @@
+"""The compute devices ggml knows (GPUs, the CPU, RPC servers), and RPC.
+
+A model's layers go to the devices named in ``Model(devices=[...])`` (all
+non-CPU devices by default, as in llama.cpp). RPC servers -- ggml's way of
+using another machine's or another process's device -- are added with
+:func:`rpc_add_server` and then appear in :func:`list_devices` as ``RPC<n>``
+(llama.cpp's ``--rpc``). :func:`rpc_serve` turns this process into such a
+server for its CPU; with two of them one machine without a GPU has two
+offload devices, which is how the tests split a model's layers over two
+devices (``-sm layer``) on the CPU.
+
+RPC needs a build with ``-DGGML_RPC=ON``; without it these functions raise
+:class:`HeadInferError` (the functions are looked up in ggml's backend
+registry, so the bindings work with either build).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from .. import bindings
+from ..errors import HeadInferError
+
+
+class DeviceInfo(NamedTuple):
+    name: str  # e.g. "CUDA0", "CPU", "RPC0[127.0.0.1:50052]"
+    description: str
+    type: str  # "cpu", "gpu", "igpu", "accel", ...
+
+
+_TYPES = {"GGML_BACKEND_DEVICE_TYPE_CPU": "cpu", "GGML_BACKEND_DEVICE_TYPE_GPU": "gpu"}
+
+
+def _type_name(ffi, lib, dev) -> str:
+    value = int(lib.ggml_backend_dev_type(dev))
+    for cname, short in _TYPES.items():
+        if value == int(getattr(lib, cname)):
+            return short
+    return f"type{value}"
+
+
+def list_devices() -> list[DeviceInfo]:
+    """Every device in ggml's registry, in registry order."""
+    ffi, lib = bindings.load()
+    out = []
+    for i in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(i)
+        out.append(DeviceInfo(ffi.string(lib.ggml_backend_dev_name(dev)).decode(),
+                              ffi.string(lib.ggml_backend_dev_description(dev)).decode(), _type_name(ffi, lib, dev)))
+    return out
+
+
+def device_handles(names: Sequence[str]):
+    """A NULL-terminated ``ggml_backend_dev_t[]`` for the named devices (keep it alive while in use)."""
+    ffi, lib = bindings.load()
+    by_name = {}
+    for i in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(i)
+        by_name[ffi.string(lib.ggml_backend_dev_name(dev)).decode()] = dev
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise HeadInferError(f"unknown device(s) {missing}; known: {sorted(by_name)}")
+    if len(set(names)) != len(names):
+        raise HeadInferError(f"a device is named twice in {list(names)}")
+    return ffi.new("ggml_backend_dev_t[]", [by_name[n] for n in names] + [ffi.NULL])
+
+
+def _rpc_proc(name: str, signature: str):
+    ffi, lib = bindings.load()
+    reg = lib.ggml_backend_reg_by_name(b"RPC")
+    if reg == ffi.NULL:
+        raise HeadInferError("this build has no RPC backend: build with -DGGML_RPC=ON "
+                             "(python -m pyllama_headinfer build -DGGML_RPC=ON)")
+    fn = lib.ggml_backend_reg_get_proc_address(reg, name.encode())
+    if fn == ffi.NULL:
+        raise HeadInferError(f"the RPC backend of this build has no {name}")
+    return ffi.cast(signature, fn)
+
+
+def _check_endpoint(endpoint: str) -> bytes:
+    host, sep, port = str(endpoint).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"an RPC endpoint is host:port, got {endpoint!r}")
+    return str(endpoint).encode()
+
+
+def rpc_add_server(endpoint: str) -> list[str]:
+    """Connect to the RPC server at ``host:port``; returns the names of its devices."""
+    ffi, lib = bindings.load()
+    add = _rpc_proc("ggml_backend_rpc_add_server", "ggml_backend_reg_t (*)(const char *)")
+    with bindings.capture_log() as log:
+        reg = add(_check_endpoint(endpoint))
+    if reg == ffi.NULL:
+        raise HeadInferError(f"could not add the RPC server {endpoint}: "
+                             + ("; ".join(text.strip() for _, text in log) or "no reason given"))
+    lib.ggml_backend_register(reg)  # into the global device list, as llama.cpp's --rpc does
+    return [ffi.string(lib.ggml_backend_dev_name(lib.ggml_backend_reg_dev_get(reg, i))).decode()
+            for i in range(int(lib.ggml_backend_reg_dev_count(reg)))]
+
+
+def rpc_serve(endpoint: str, n_threads: int = 1) -> None:
+    """Serve this process's CPU device over RPC at ``host:port``; does not return."""
+    ffi, lib = bindings.load()
+    start = _rpc_proc("ggml_backend_rpc_start_server",
+                      "void (*)(const char *, const char *, size_t, size_t, ggml_backend_dev_t *)")
+    cpu = lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU)
+    devices = ffi.new("ggml_backend_dev_t[]", [cpu])
+    start(_check_endpoint(endpoint), ffi.NULL, int(n_threads), 1, devices)

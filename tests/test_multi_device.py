@@ -1,0 +1,99 @@
+"""Layers over several devices (llama.cpp's -sm layer) with the head split, on the CPU.
+
+A machine without GPUs gets two offload devices from two local RPC servers
+(ggml's RPC backend, each server a process serving its CPU): the layers are
+spread over both, each split layer keeps g/n_head_kv of its heads on its own
+device and the rest in host memory. ``scripts/gpu_check.py --rpc 2`` then
+checks every logits vector against frac 1.0 on the same two-device layout, and
+each device's KV bytes against its own unsplit share.
+
+This needs a build with -DGGML_RPC=ON, made once per session in
+``build/cpu-rpc`` (a second build beside the main one, ~2 min on 2 cores; the
+two cannot share a process, so the check runs in subprocesses). On two real
+GPUs the same script runs with ``--devices CUDA0,CUDA1`` (docs/GPU.md).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RPC_BUILD = ROOT / "build" / "cpu-rpc"
+
+
+@pytest.fixture(scope="session")
+def rpc_build(built) -> Path:
+    """build/cpu-rpc: the patched llama.cpp with the RPC backend (built if missing or stale)."""
+    run = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "build", "--build-dir", str(RPC_BUILD),
+                          "-DGGML_RPC=ON"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, f"the RPC build failed:\n{run.stderr[-3000:]}"
+    return RPC_BUILD
+
+
+def gpu_check(rpc_build: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYLLAMA_HEADINFER_BUILD_DIR=str(rpc_build), PYTHONPATH=str(ROOT))
+    env.pop("LLAMA_HEADINFER_FORCE_SPLIT", None)  # RPC devices are offload devices: the split needs no knob
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--rpc", "2", "--no-8b-heads",
+                           *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_layer_split_over_two_devices_is_bit_exact(rpc_build):
+    run = gpu_check(rpc_build, "--types", "f16,q8_0", "--fracs", "0.5,0.25")
+    out = run.stdout
+    assert run.returncode == 0 and out.rstrip().endswith("all checks passed"), out[-3000:] + run.stderr[-2000:]
+    assert "devices: RPC0, RPC1 (split mode layer)" in out
+    lines = [x for x in out.splitlines() if x.startswith("ok ")]
+    assert len(lines) == 3 * 2 * 4 * 2  # models x types x scenarios x fracs
+    # the layers really are on both servers: two distinct RPC buffers in one report
+    two = [x for x in lines if len({part.split("]")[0] for part in x.split("RPC0[")[1:]}) == 2]
+    assert two, "no model had KV on both RPC devices"
+    assert all("(headinfer host)" in x for x in lines)
+
+
+def test_row_split_over_rpc_is_refused_cleanly(rpc_build):
+    """-sm row needs split buffers, which RPC devices do not have: llama.cpp refuses the model, nothing runs."""
+    run = gpu_check(rpc_build, "--split-mode", "row", "--types", "f16", "--scenarios", "greedy", "--fracs", "0.5")
+    assert run.returncode != 0
+    assert "does not support split buffers" in run.stderr
+    assert "ok " not in run.stdout
+
+
+def test_rpc_without_the_rpc_backend_is_an_error(llama):
+    from pyllama_headinfer import bindings
+
+    ffi, lib = bindings.load()
+    if lib.ggml_backend_reg_by_name(b"RPC") != ffi.NULL:
+        pytest.skip("the main build has the RPC backend")
+    with pytest.raises(llama.HeadInferError, match="no RPC backend: build with -DGGML_RPC=ON"):
+        llama.rpc_add_server("127.0.0.1:50052")
+
+
+@pytest.mark.parametrize("endpoint", ["localhost", "127.0.0.1:", ":50052", "127.0.0.1:99999", "h:p"])
+def test_rpc_endpoint_must_be_host_port(llama, endpoint):
+    with pytest.raises((ValueError, llama.HeadInferError)):
+        llama.rpc_add_server(endpoint)
+
+
+def test_list_devices_has_the_cpu(llama):
+    devices = llama.list_devices()
+    assert any(d.type == "cpu" for d in devices)
+    assert all(d.name and isinstance(d.description, str) for d in devices)
+
+
+def test_model_placement_arguments_are_checked(llama, gguf_models):
+    path = gguf_models["llama-gqa"]
+    with pytest.raises(llama.HeadInferError, match="unknown device"):
+        llama.Model(path, devices=["NOPE0"])
+    with pytest.raises(ValueError, match="split_mode"):
+        llama.Model(path, split_mode="rows")
+    with pytest.raises(ValueError, match="devices must be"):
+        llama.Model(path, devices="CPU")
+    with pytest.raises(ValueError, match="tensor_split"):
+        llama.Model(path, tensor_split=[-1.0, 2.0])
+    with llama.Model(path, split_mode="none", tensor_split=[1.0]) as model:  # valid, and harmless on the CPU
+        assert model.n_vocab > 0
