@@ -54,6 +54,13 @@ class BenchResult:
     host_kv_bytes: int  # KV in the HeadInfer host halves
     n_layers_split: int
     n_layers: int
+    error: Optional[str] = None  # why this point could not be measured (e.g. out of device memory)
+
+    @classmethod
+    def failed(cls, point: BenchPoint, error: str) -> "BenchResult":
+        return cls(point=point, frac=float("nan") if point.frac is None else point.frac, prompt_tps=None,
+                   decode_tps=float("nan"), decode_tps_runs=[], device_kv_bytes=0, host_kv_bytes=0,
+                   n_layers_split=0, n_layers=0, error=error)
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -106,6 +113,8 @@ def run_point(model, point: BenchPoint, *, n_gen: int = 32, n_batch: int = 512, 
                  headinfer_gpu_heads_frac=1.0 if point.frac is None else point.frac,
                  headinfer_vram_budget=point.vram_budget) as ctx:
         report = ctx.kv_residency()
+        ctx.decode([token])  # warm-up, untimed: the first decode of a context allocates and builds its graphs
+        ctx.synchronize()
         for _ in range(repeat):
             ctx.clear()
             if fill:
@@ -129,12 +138,20 @@ def run_point(model, point: BenchPoint, *, n_gen: int = 32, n_batch: int = 512, 
 
 def run_sweep(model, points: Sequence[BenchPoint], *, progress: Optional[Callable[[int, int, BenchResult], None]] = None,
               **kwargs) -> list[BenchResult]:
-    """run_point for every point, in order; ``progress(i, n, result)`` after each."""
+    """run_point for every point, in order; ``progress(i, n, result)`` after each. A point that
+    fails (llama.cpp cannot create the context, e.g. out of device memory) is recorded with its
+    error and the sweep goes on: the other points are still measured."""
+    from .errors import HeadInferError
+
     results = []
     for i, point in enumerate(points, 1):
         log.info("[%d/%d] depth %d, KV %s, %s ...", i, len(points), point.depth, point.kv,
                  f"budget {point.vram_budget}" if point.frac is None else f"frac {point.frac:g}")
-        result = run_point(model, point, **kwargs)
+        try:
+            result = run_point(model, point, **kwargs)
+        except HeadInferError as exc:
+            log.warning("[%d/%d] not measured: %s", i, len(points), exc)
+            result = BenchResult.failed(point, str(exc))
         results.append(result)
         if progress is not None:
             progress(i, len(points), result)

@@ -56,10 +56,16 @@ def _list(text: str, convert, what: str) -> list:
 
 
 def parse_kv_types(text: str) -> list[tuple[str, str]]:
+    from .api.context import KV_CACHE_TYPES
+
     pairs = []
     for item in _list(text, str, "KV types"):
         k, _, v = item.partition(":")
-        pairs.append((k.lower(), (v or k).lower()))
+        pair = (k.lower(), (v or k).lower())
+        unknown = [t for t in pair if t not in KV_CACHE_TYPES]
+        if unknown:
+            raise ValueError(f"unknown KV type {unknown[0]!r}; known: {', '.join(sorted(KV_CACHE_TYPES))}")
+        pairs.append(pair)
     return pairs
 
 
@@ -74,6 +80,9 @@ def format_table(results) -> str:
     header = ("frac", "depth", "KV", "prefill tok/s", "decode tok/s", "device KV MiB", "host KV MiB", "split layers")
     rows = [header]
     for r in results:
+        if r.error is not None:
+            rows.append((f"{r.frac:g}", str(r.point.depth), r.point.kv, "failed", "-", "-", "-", "-"))
+            continue
         rows.append((f"{r.frac:g}", str(r.point.depth), r.point.kv,
                      "-" if r.prompt_tps is None else f"{r.prompt_tps:.1f}", f"{r.decode_tps:.2f}",
                      f"{r.device_kv_bytes / MIB:.1f}", f"{r.host_kv_bytes / MIB:.1f}",
@@ -96,7 +105,8 @@ def save_plot(results, path: Path, title: str) -> bool:
     fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(11, 4))
     series: dict = {}
     for r in results:
-        series.setdefault((r.point.depth, r.point.kv), []).append(r)
+        if r.error is None:
+            series.setdefault((r.point.depth, r.point.kv), []).append(r)
     for (depth, kv), rs in series.items():
         rs = sorted(rs, key=lambda r: r.frac)
         label = f"depth {depth}, {kv}"
@@ -154,6 +164,9 @@ def _run(args: argparse.Namespace) -> int:
                                                               r.frac, r.decode_tps))
         title = f"{model.path.name}: {model.description}"
     print(format_table(results))
+    for r in results:
+        if r.error is not None:
+            print(f"not measured: depth {r.point.depth}, KV {r.point.kv}, frac {r.frac:g}: {r.error}", file=sys.stderr)
     if args.json is not None:
         args.json.write_text(json.dumps([r.as_dict() for r in results], indent=1) + "\n")
         log.info("results written to %s", args.json)
@@ -163,4 +176,4 @@ def _run(args: argparse.Namespace) -> int:
             log.info("plot saved to %s", path)
         elif args.plot is not None:
             log.warning("no plot: matplotlib is not installed")
-    return 0
+    return 1 if any(r.error is not None for r in results) else 0

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -156,21 +158,31 @@ def residency_problems(report: dict, base: dict) -> list[str]:
     return problems
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGKILL when this script dies, even if it is killed or aborts (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the finally block below still stops the servers on a normal exit
+
+
 @contextlib.contextmanager
 def rpc_servers(n: int, timeout: float = 30.0):
     """n local RPC servers (this build's CPU device each, own processes): yields their endpoints."""
     procs, endpoints = [], []
     root = Path(__file__).resolve().parents[1]
-    try:
+    # all ports chosen while every probe socket is still bound, so no two servers get the same one
+    with contextlib.ExitStack() as probes:
         for _ in range(n):
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
+            sock = probes.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            endpoints.append(f"127.0.0.1:{sock.getsockname()[1]}")
+    try:
+        for endpoint in endpoints:
             code = f"import sys; sys.path.insert(0, {str(root)!r}); from pyllama_headinfer.llama import rpc_serve; " \
                    f"rpc_serve({endpoint!r})"
             procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE))
-            endpoints.append(endpoint)
+                                          stderr=subprocess.PIPE, preexec_fn=_die_with_parent))
         for endpoint, proc in zip(endpoints, procs):
             host, port = endpoint.rsplit(":", 1)
             deadline = time.monotonic() + timeout
@@ -224,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         paths = {p.stem: p for p in sorted(models_dir.glob("*.gguf"))}
     fracs = [float(f) for f in args.fracs.split(",")]
+    if args.rpc and args.devices:
+        ap.error("--rpc uses the RPC servers' devices: give --rpc or --devices, not both")
     with (rpc_servers(args.rpc) if args.rpc else contextlib.nullcontext([])) as endpoints:
         devices = [d for e in endpoints for d in rpc_add_server(e)] or \
             (args.devices.split(",") if args.devices else None)
@@ -250,7 +264,9 @@ def check_models(paths: dict, fracs: list, args, devices) -> int:
                         problems = residency_problems(report, base_report)
                         if tokens != base_tokens:
                             problems.append("tokens differ")
-                        if not same_logits:
+                        if len(logits) != len(base_logits):
+                            problems.append(f"{len(logits)} steps, unsplit {len(base_logits)}")
+                        elif not same_logits:
                             diff = max(float(np.max(np.abs(a - b))) for a, b in zip(logits, base_logits))
                             first = next(i for i, (a, b) in enumerate(zip(logits, base_logits))
                                          if not np.array_equal(a, b))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import re
 import subprocess
 import sys
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                         results.append(r)
                         g, w = r["got"], r["plan"]
                         diff = (w["total"] - g["total"]) / g["total"] * 100 if g["total"] else float("nan")
-                        worst = max(worst, abs(diff))
+                        # no matching log line (a wrong --device) is a failure, not a perfect match
+                        worst = float("inf") if math.isnan(diff) else max(worst, abs(diff))
                         exact = r["device_kv_exact"] == r["plan_device_kv"]
                         kv_exact &= exact
                         smi = "-" if r["smi_context_mib"] is None else f"{r['smi_context_mib']:.0f}"

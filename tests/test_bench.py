@@ -72,7 +72,21 @@ def test_bench_cli_table_and_json(models, gguf_models, force_split, tmp_path, ca
     assert all(r["host_kv_bytes"] == 3 * r["device_kv_bytes"] for r in quarter)  # 1 of 4 heads resident
 
 
+def test_bench_cli_a_failing_point_is_reported_and_the_rest_measured(gguf_models, force_split, tmp_path, capsys):
+    """A budget too small for the model fails every point at context creation: each is a 'failed' row
+    with its reason, the JSON is still written, and the exit status says so."""
+    out = tmp_path / "r.json"
+    rc = cli.main(["bench", "-m", str(gguf_models["llama-gqa"]), "--vram-budget", "1KiB", "--depths", "0,16",
+                   "-n", "1", "--json", str(out), "--no-plot"])
+    captured = capsys.readouterr()
+    assert rc == 1 and "Traceback" not in captured.err
+    assert captured.out.count("failed") == 2 and "not measured: depth 16" in captured.err
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 and all(r["error"] for r in rows)
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--types", "f16,q9_9"], "unknown KV type 'q9_9'"),
     (["--fracs", "1,abc"], "cannot read fractions"),
     (["--fracs", "1.5"], "headinfer_gpu_heads_frac"),
     (["--depths", "-4"], "cannot read depths"),

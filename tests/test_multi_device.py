@@ -73,7 +73,20 @@ def test_rpc_without_the_rpc_backend_is_an_error(llama):
         llama.rpc_add_server("127.0.0.1:50052")
 
 
-@pytest.mark.parametrize("endpoint", ["localhost", "127.0.0.1:", ":50052", "127.0.0.1:99999", "h:p"])
+def test_unreachable_rpc_server_is_an_error_not_an_abort(rpc_build):
+    """ggml aborts the process when it cannot connect; the check before it turns that into an exception."""
+    code = ("import socket\n"
+            "from pyllama_headinfer.llama import rpc_add_server, HeadInferError\n"
+            "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+            "try:\n    rpc_add_server(f'127.0.0.1:{port}')\n"
+            "except HeadInferError as exc:\n    print('refused:', exc)\n")
+    env = dict(os.environ, PYLLAMA_HEADINFER_BUILD_DIR=str(rpc_build), PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "refused: cannot reach the RPC server 127.0.0.1:" in run.stdout
+
+
+@pytest.mark.parametrize("endpoint", ["localhost", "127.0.0.1:", ":50052", "127.0.0.1:99999", "h:p", "[::1]:50052"])
 def test_rpc_endpoint_must_be_host_port(llama, endpoint):
     with pytest.raises((ValueError, llama.HeadInferError)):
         llama.rpc_add_server(endpoint)
@@ -89,11 +102,16 @@ def test_model_placement_arguments_are_checked(llama, gguf_models):
     path = gguf_models["llama-gqa"]
     with pytest.raises(llama.HeadInferError, match="unknown device"):
         llama.Model(path, devices=["NOPE0"])
+    with pytest.raises(llama.HeadInferError, match="CPU is not an offload device"):
+        llama.Model(path, devices=["CPU"])
     with pytest.raises(ValueError, match="split_mode"):
         llama.Model(path, split_mode="rows")
     with pytest.raises(ValueError, match="devices must be"):
         llama.Model(path, devices="CPU")
-    with pytest.raises(ValueError, match="tensor_split"):
-        llama.Model(path, tensor_split=[-1.0, 2.0])
+    for bad in ([-1.0, 2.0], [float("inf")], [1e39], "12", [0.0, 0.0]):
+        with pytest.raises(ValueError, match="tensor_split"):
+            llama.Model(path, tensor_split=bad)
+    with pytest.raises(ValueError, match="tensor_split must be 1 to 1"):  # one share per named device at most
+        llama.Model(path, devices=["CPU"], tensor_split=[1.0, 1.0])
     with llama.Model(path, split_mode="none", tensor_split=[1.0]) as model:  # valid, and harmless on the CPU
         assert model.n_vocab > 0

@@ -16,6 +16,7 @@ registry, so the bindings work with either build).
 
 from __future__ import annotations
 
+import socket
 from typing import NamedTuple, Sequence
 
 from .. import bindings
@@ -60,6 +61,10 @@ def device_handles(names: Sequence[str]):
     missing = [n for n in names if n not in by_name]
     if missing:
         raise HeadInferError(f"unknown device(s) {missing}; known: {sorted(by_name)}")
+    cpus = [n for n in names if int(lib.ggml_backend_dev_type(by_name[n])) == int(lib.GGML_BACKEND_DEVICE_TYPE_CPU)]
+    if cpus:  # as llama.cpp's --device: layers that are not offloaded stay on the CPU by themselves
+        raise HeadInferError(f"{cpus[0]} is not an offload device; name GPUs or RPC devices "
+                             "(n_gpu_layers decides what stays on the CPU)")
     if len(set(names)) != len(names):
         raise HeadInferError(f"a device is named twice in {list(names)}")
     return ffi.new("ggml_backend_dev_t[]", [by_name[n] for n in names] + [ffi.NULL])
@@ -77,19 +82,34 @@ def _rpc_proc(name: str, signature: str):
     return ffi.cast(signature, fn)
 
 
-def _check_endpoint(endpoint: str) -> bytes:
-    host, sep, port = str(endpoint).rpartition(":")
+def _check_endpoint(endpoint: str) -> tuple[str, int]:
+    # ggml splits at the first ':' (no IPv6 literals) and aborts the process on what it cannot parse
+    host, sep, port = str(endpoint).partition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"an RPC endpoint is host:port, got {endpoint!r}")
-    return str(endpoint).encode()
+        raise ValueError(f"an RPC endpoint is host:port (a host name or IPv4 address), got {endpoint!r}")
+    return host, int(port)
+
+
+def _check_reachable(endpoint: str, timeout: float = 5.0) -> None:
+    """ggml aborts the process when it cannot connect: try the connection here first."""
+    host, port = _check_endpoint(endpoint)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise HeadInferError(f"cannot reach the RPC server {endpoint}: {exc}") from None
 
 
 def rpc_add_server(endpoint: str) -> list[str]:
-    """Connect to the RPC server at ``host:port``; returns the names of its devices."""
+    """Connect to the RPC server at ``host:port``; returns the names of its devices.
+
+    An unreachable endpoint is a :class:`HeadInferError`; a listener that is
+    not a ggml RPC server of a compatible version still makes ggml abort the
+    process during the handshake (upstream behaviour)."""
     ffi, lib = bindings.load()
     add = _rpc_proc("ggml_backend_rpc_add_server", "ggml_backend_reg_t (*)(const char *)")
+    _check_reachable(endpoint)
     with bindings.capture_log() as log:
-        reg = add(_check_endpoint(endpoint))
+        reg = add(str(endpoint).encode())
     if reg == ffi.NULL:
         raise HeadInferError(f"could not add the RPC server {endpoint}: "
                              + ("; ".join(text.strip() for _, text in log) or "no reason given"))
@@ -105,4 +125,5 @@ def rpc_serve(endpoint: str, n_threads: int = 1) -> None:
                       "void (*)(const char *, const char *, size_t, size_t, ggml_backend_dev_t *)")
     cpu = lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU)
     devices = ffi.new("ggml_backend_dev_t[]", [cpu])
-    start(_check_endpoint(endpoint), ffi.NULL, int(n_threads), 1, devices)
+    _check_endpoint(endpoint)
+    start(str(endpoint).encode(), ffi.NULL, int(n_threads), 1, devices)

@@ -17,6 +17,8 @@ from ..errors import HeadInferError
 from .exceptions import ClosedError, ModelError, TokenError, _log_tail
 from .gguf_check import check_gguf
 
+FLT_MAX = float(np.finfo(np.float32).max)  # the shares are C floats
+
 
 class Model:
     """A GGUF model loaded by llama.cpp.
@@ -70,22 +72,27 @@ class Model:
         if split_mode not in self._SPLIT_MODES:
             raise ValueError(f"split_mode must be one of {sorted(self._SPLIT_MODES)}, got {split_mode!r}")
         params.split_mode = getattr(lib, self._SPLIT_MODES[split_mode])
+        if devices is not None and (isinstance(devices, str) or not devices):
+            raise ValueError(f"devices must be a non-empty list of device names, got {devices!r}")
         keep = []
+        if tensor_split is not None:
+            if isinstance(tensor_split, (str, bytes)):
+                raise ValueError(f"tensor_split must be a list of numbers, got {tensor_split!r}")
+            shares = [float(x) for x in tensor_split]
+            # llama.cpp reads one share per device it offloads to and ignores the rest: more is a mistake
+            n_max = len(devices) if devices is not None else int(lib.llama_max_devices())
+            if not shares or len(shares) > n_max or sum(shares) <= 0 or \
+                    any(not (0 <= x <= FLT_MAX) for x in shares):
+                raise ValueError(f"tensor_split must be 1 to {n_max} finite, non-negative shares, not all zero, "
+                                 f"got {list(tensor_split)!r}")
+            n_all = int(lib.llama_max_devices())  # the array llama.cpp indexes
+            keep.append(ffi.new("float[]", shares + [0.0] * (n_all - len(shares))))
+            params.tensor_split = keep[-1]
         if devices is not None:
             from .devices import device_handles
 
-            if isinstance(devices, str) or not devices:
-                raise ValueError(f"devices must be a non-empty list of device names, got {devices!r}")
             keep.append(device_handles(list(devices)))
             params.devices = keep[-1]
-        if tensor_split is not None:
-            shares = [float(x) for x in tensor_split]
-            n_max = int(lib.llama_max_devices())
-            if not shares or len(shares) > n_max or any(not (x >= 0) for x in shares) or sum(shares) <= 0:
-                raise ValueError(f"tensor_split must be 1 to {n_max} non-negative shares, not all zero, "
-                                 f"got {list(tensor_split)!r}")
-            keep.append(ffi.new("float[]", shares + [0.0] * (n_max - len(shares))))
-            params.tensor_split = keep[-1]
         return keep
 
     # -- lifetime ---------------------------------------------------------- #
