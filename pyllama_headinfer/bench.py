@@ -87,11 +87,11 @@ def filler_tokens(model, n: int) -> list[int]:
 
 
 def _kv_bytes(report: Optional[dict]) -> tuple[int, int, int, int]:
-    if report is None:
-        return 0, 0, 0, 0
-    device = sum(b["k"] + b["v"] for b in report["buffers"].values() if not b["headinfer_host"])
-    host = sum(b["k"] + b["v"] for b in report["buffers"].values() if b["headinfer_host"])
-    layers = report["layers"]
+    """(device bytes, host-half bytes, split layers, layers) of a residency report."""
+    from .api.residency import kv_residency_totals
+
+    device, host = kv_residency_totals(report)
+    layers = [] if report is None else report["layers"]
     n_split = sum(1 for x in layers if x["n_head_resident"] < x["n_head_kv"])
     return device, host, n_split, len(layers)
 

@@ -22,11 +22,12 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
+DEFAULT_FRACS = "1,0.75,0.5,0.25"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", required=True, help="GGUF model file")
-    parser.add_argument("--fracs", default="1,0.75,0.5,0.25",
+    parser.add_argument("--fracs", default=None,
                         help="comma-separated HeadInfer fractions (default 1,0.75,0.5,0.25)")
     parser.add_argument("--vram-budget", default=None,
                         help="instead of --fracs: derive the fraction from this GPU memory budget at every depth")
@@ -138,15 +139,15 @@ def _run(args: argparse.Namespace) -> int:
     from .llama import Model
 
     try:
-        fracs = [check_headinfer_frac(f) for f in _list(args.fracs, float, "fractions")]
+        if args.fracs is not None and args.vram_budget is not None:
+            raise ValueError("give --fracs or --vram-budget, not both")
+        fracs = [check_headinfer_frac(f) for f in _list(DEFAULT_FRACS if args.fracs is None else args.fracs, float, "fractions")]
         depths = _list(args.depths, _depth, "depths")
         kv_types = parse_kv_types(args.types)
         if args.vram_budget is not None:
             from .plan import parse_size
 
             parse_size(args.vram_budget)
-            if args.fracs != "1,0.75,0.5,0.25":
-                raise ValueError("give --fracs or --vram-budget, not both")
         if args.n_gen < 1 or args.repeat < 1 or args.batch < 1:
             raise ValueError("-n, --repeat and --batch must be >= 1")
     except ValueError as exc:

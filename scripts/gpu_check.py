@@ -45,6 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyllama_headinfer import testing_models  # noqa: E402
+from pyllama_headinfer.api.residency import kv_residency_totals  # noqa: E402
 from pyllama_headinfer.llama import Context, Model, rpc_add_server  # noqa: E402
 
 N_PROMPT = 40
@@ -136,11 +137,9 @@ def residency_problems(report: dict, base: dict) -> list[str]:
     split = [x for x in layers if x["n_head_resident"] < x["n_head_kv"]]
     if not split:
         problems.append("no layer was split")
-    host = {k: v for k, v in report["buffers"].items() if v["headinfer_host"]}
     dev = {k: v for k, v in report["buffers"].items() if not v["headinfer_host"]}
-    base_total = sum(b["k"] + b["v"] for b in base["buffers"].values())
-    dev_total = sum(b["k"] + b["v"] for b in dev.values())
-    host_total = sum(b["k"] + b["v"] for b in host.values())
+    base_total = sum(kv_residency_totals(base))
+    dev_total, host_total = kv_residency_totals(report)
     if dev_total + host_total != base_total:
         problems.append(f"device + host = {dev_total + host_total} B != unsplit {base_total} B")
     # every layer of the test models keeps the same share g/n of its heads: the device holds exactly that share

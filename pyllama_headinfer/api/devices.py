@@ -40,24 +40,24 @@ def _type_name(ffi, lib, dev) -> str:
     return f"type{value}"
 
 
+def _registry() -> dict:
+    """name -> ggml_backend_dev_t of every device in ggml's registry, in registry order."""
+    ffi, lib = bindings.load()
+    devices = (lib.ggml_backend_dev_get(i) for i in range(int(lib.ggml_backend_dev_count())))
+    return {ffi.string(lib.ggml_backend_dev_name(dev)).decode(): dev for dev in devices}
+
+
 def list_devices() -> list[DeviceInfo]:
     """Every device in ggml's registry, in registry order."""
     ffi, lib = bindings.load()
-    out = []
-    for i in range(int(lib.ggml_backend_dev_count())):
-        dev = lib.ggml_backend_dev_get(i)
-        out.append(DeviceInfo(ffi.string(lib.ggml_backend_dev_name(dev)).decode(),
-                              ffi.string(lib.ggml_backend_dev_description(dev)).decode(), _type_name(ffi, lib, dev)))
-    return out
+    return [DeviceInfo(name, ffi.string(lib.ggml_backend_dev_description(dev)).decode(), _type_name(ffi, lib, dev))
+            for name, dev in _registry().items()]
 
 
 def device_handles(names: Sequence[str]):
     """A NULL-terminated ``ggml_backend_dev_t[]`` for the named devices (keep it alive while in use)."""
     ffi, lib = bindings.load()
-    by_name = {}
-    for i in range(int(lib.ggml_backend_dev_count())):
-        dev = lib.ggml_backend_dev_get(i)
-        by_name[ffi.string(lib.ggml_backend_dev_name(dev)).decode()] = dev
+    by_name = _registry()
     missing = [n for n in names if n not in by_name]
     if missing:
         raise HeadInferError(f"unknown device(s) {missing}; known: {sorted(by_name)}")

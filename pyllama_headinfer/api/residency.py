@@ -41,6 +41,16 @@ def read_kv_residency(ptr, ffi, lib) -> dict | None:
     return {"buffers": buffers, "layers": layers}
 
 
+def kv_residency_totals(report: dict | None) -> tuple[int, int]:
+    """(K+V bytes in the layers' own buffers -- the GPU's when offloaded --, K+V bytes in the
+    HeadInfer host halves) of a :meth:`Context.kv_residency` report; (0, 0) for None."""
+    if report is None:
+        return 0, 0
+    buffers = report["buffers"].values()
+    return (sum(b["k"] + b["v"] for b in buffers if not b["headinfer_host"]),
+            sum(b["k"] + b["v"] for b in buffers if b["headinfer_host"]))
+
+
 def format_kv_residency(report: dict | None) -> str:
     """A human-readable table of :meth:`Context.kv_residency`."""
     if report is None:
