@@ -7,10 +7,12 @@ save/load, and the HeadInfer KV residency report (read in
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import math
 import numbers
 import os
+import threading
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -18,6 +20,7 @@ import numpy as np
 from .. import bindings
 from .exceptions import (ClosedError, ContextError, ContextOverflowError, DecodeError, StateError,
                          _log_tail)
+from .atomic_file import atomic_output_path
 from .model import Model
 from .residency import read_kv_residency
 from .sampler import Sampler
@@ -57,6 +60,15 @@ def _check_count(name: str, value, minimum: int) -> int:
     return int(value)
 
 
+def _serialized(method):
+    """Run ``method`` holding the context's lock (see :class:`Context`, "Threads")."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class Context:
     """An inference context (KV cache, logits, threads) on a :class:`Model`.
 
@@ -67,6 +79,16 @@ class Context:
     the largest g whose estimated device total fits (``pyllama_headinfer.plan``; the plan
     is kept as ``headinfer_plan``).  ``flash_attn``: True / False / None (= llama.cpp's auto).
     ``kv_unified``/``swa_full``: None keeps llama.cpp's default.
+
+    Threads: a Context may be shared between threads; its operations are
+    serialized by a lock (llama.cpp's context is not thread-safe: two
+    concurrent decodes abort the process). Each call holds the lock while it
+    runs, and a :meth:`generate` generator holds it from its first token
+    until it is exhausted or closed, so two threads generating on one
+    Context get the same tokens as if they had run one after the other.
+    For parallel work, use one Context per thread (they share the Model).
+    A generator left suspended blocks other threads: consume it or
+    ``close()`` it.
     """
 
     def __init__(self, model: Model, n_ctx: int = 512, n_batch: int = 512, n_ubatch: int = 512,
@@ -76,6 +98,7 @@ class Context:
                  headinfer_gpu_heads_frac: float = 1.0, headinfer_vram_budget=None):
         self._handle = None
         self._batch = None
+        self._lock = threading.RLock()
         frac = check_headinfer_frac(headinfer_gpu_heads_frac)
         if not isinstance(model, Model):
             raise TypeError(f"model must be a Model, got {type(model).__name__}")
@@ -169,6 +192,7 @@ class Context:
     def closed(self) -> bool:
         return self._handle is None
 
+    @_serialized
     def close(self) -> None:
         if self._handle is None:
             return
@@ -207,11 +231,13 @@ class Context:
             raise ValueError(f"seq_id {seq_id} is out of range: this context has n_seq_max={self.n_seq_max}")
         return int(seq_id)
 
+    @_serialized
     def seq_pos_max(self, seq_id: int = 0) -> int:
         """Largest position stored for ``seq_id`` (-1 when empty)."""
         self._ptr()
         return int(self._lib.llama_memory_seq_pos_max(self._mem, self._check_seq(seq_id)))
 
+    @_serialized
     def seq_pos_min(self, seq_id: int = 0) -> int:
         self._ptr()
         return int(self._lib.llama_memory_seq_pos_min(self._mem, self._check_seq(seq_id)))
@@ -222,6 +248,7 @@ class Context:
 
     # -- decoding ---------------------------------------------------------- #
 
+    @_serialized
     def decode(self, tokens: Sequence[int], seq_id: int = 0, logits: str = "last") -> None:
         """Append ``tokens`` to sequence ``seq_id`` and evaluate them, in chunks
         of ``n_batch``.  ``logits``: "last" (for the last token), "all" (every
@@ -274,11 +301,13 @@ class Context:
             self._out_n = m
         self._out_mode = logits
 
+    @_serialized
     def synchronize(self) -> None:
         """Wait until the device has finished the work of the last decode
         (llama.cpp may return from ``llama_decode`` before; for timing)."""
         self._lib.llama_synchronize(self._ptr())
 
+    @_serialized
     def decode_batch(self, seqs) -> dict[int, int]:
         """Evaluate tokens of several sequences in one ``llama_batch`` (one
         ``llama_decode`` call), e.g. parallel generation for several prompts.
@@ -366,6 +395,7 @@ class Context:
             raise IndexError(f"no logits for index {i}: {_log_tail(log)}")
         return p
 
+    @_serialized
     def logits(self, i: int = -1, copy: bool = True) -> np.ndarray:
         """Logits (float32, ``n_vocab``) of token ``i`` of the last :meth:`decode`
         (-1 = last).
@@ -386,6 +416,7 @@ class Context:
         view = np.frombuffer(self._ffi.buffer(p, self.n_vocab * 4), dtype=np.float32)
         return view.copy() if copy else view
 
+    @_serialized
     def sample(self, sampler: Sampler, i: int = -1) -> int:
         return sampler.sample(self, i)
 
@@ -404,6 +435,7 @@ class Context:
             raise ValueError("generate() needs a non-empty prompt")
         own = sampler is None
         sampler = Sampler.greedy() if own else sampler
+        self._lock.acquire()  # held until the generator ends (see the class docstring, "Threads")
         try:
             if reset:
                 self.seq_rm(seq_id)
@@ -420,9 +452,11 @@ class Context:
                     return
                 self.decode([tok], seq_id=seq_id, logits="last")
         finally:
+            self._lock.release()
             if own:
                 sampler.close()
 
+    @_serialized
     def complete(self, text: str, max_tokens: int = 64, sampler: Sampler | None = None,
                  add_special: bool = True) -> str:
         """Generate a continuation of ``text`` and return it as a string."""
@@ -432,12 +466,14 @@ class Context:
 
     # -- memory (KV cache) ------------------------------------------------- #
 
+    @_serialized
     def clear(self, data: bool = True) -> None:
         """Empty the memory (``data``: also zero the buffers)."""
         self._ptr()
         self._lib.llama_memory_clear(self._mem, bool(data))
         self._out_mode, self._all_logits = None, None
 
+    @_serialized
     def seq_rm(self, seq_id: int = -1, p0: int = -1, p1: int = -1) -> bool:
         """Remove positions [p0, p1) of ``seq_id`` (-1: any sequence / open
         range). False if a partial removal is not possible."""
@@ -445,6 +481,7 @@ class Context:
         return bool(self._lib.llama_memory_seq_rm(self._mem, self._check_seq(seq_id, allow_any=True),
                                                   int(p0), int(p1)))
 
+    @_serialized
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Copy positions [p0, p1) of ``src`` into ``dst`` (-1: open range).
         With one KV stream per sequence (``kv_unified=False``) only whole
@@ -457,6 +494,7 @@ class Context:
                              "copied whole (p0 = p1 = -1)")
         self._lib.llama_memory_seq_cp(self._mem, src, dst, int(p0), int(p1))
 
+    @_serialized
     def seq_keep(self, seq_id: int) -> None:
         self._ptr()
         self._lib.llama_memory_seq_keep(self._mem, self._check_seq(seq_id))
@@ -469,6 +507,7 @@ class Context:
             raise ContextError(f"{what}: a K-shift of a bf16 K cache is not supported by llama.cpp at this "
                                "version (RoPE has no BF16 kernel); use type_k='f16'")
 
+    @_serialized
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         """Add ``delta`` to the positions in [p0, p1) of ``seq_id``."""
         self._ptr()
@@ -476,6 +515,7 @@ class Context:
         self._check_shift("seq_add")
         self._lib.llama_memory_seq_add(self._mem, seq_id, int(p0), int(p1), int(delta))
 
+    @_serialized
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         """Integer-divide the positions in [p0, p1) of ``seq_id`` by ``d`` (>= 1)."""
         self._ptr()
@@ -489,10 +529,24 @@ class Context:
 
     # -- state ------------------------------------------------------------- #
 
+    def _discard_failed_load(self, seq_id: int) -> None:
+        """After a failed load: empty the memory (seq_id -1) or the sequence.
+
+        llama.cpp may stop reading a state part-way (a truncated file, a
+        state from another model) with some cells already restored; what is
+        left must not be mistaken for a valid cache, so the load ends as a
+        cleared context (or sequence) would be.
+        """
+        if seq_id < 0:
+            self._lib.llama_memory_clear(self._mem, True)
+        else:
+            self._lib.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+
     # At this pin a state holds the memory (KV cache) only, not the logits: after
     # loading one, decode the next token to get logits (or save the state one
     # token early and decode the last prompt token after loading).
 
+    @_serialized
     def save_state(self) -> bytes:
         """The context's state (the KV cache contents; no logits) as bytes."""
         ptr, ffi, lib = self._ptr(), self._ffi, self._lib
@@ -503,6 +557,7 @@ class Context:
             raise StateError("llama_state_get_data failed")
         return ffi.buffer(buf, n)[:]
 
+    @_serialized
     def load_state(self, data: bytes) -> None:
         """Restore a state from :meth:`save_state` (same model and context setup)."""
         ptr, ffi = self._ptr(), self._ffi
@@ -513,8 +568,10 @@ class Context:
             n = int(self._lib.llama_state_set_data(ptr, ffi.from_buffer("uint8_t[]", data), len(data)))
         self._out_mode, self._all_logits, self._out_n = None, None, 0
         if n == 0:
+            self._discard_failed_load(-1)
             raise StateError(f"llama.cpp rejected the state data: {_log_tail(log) or 'no reason given'}")
 
+    @_serialized
     def save_seq_state(self, seq_id: int = 0) -> bytes:
         ptr, ffi, lib = self._ptr(), self._ffi, self._lib
         seq_id = self._check_seq(seq_id)
@@ -523,6 +580,7 @@ class Context:
         n = int(lib.llama_state_seq_get_data(ptr, buf, size, seq_id))
         return ffi.buffer(buf, n)[:]
 
+    @_serialized
     def load_seq_state(self, data: bytes, seq_id: int = 0) -> None:
         ptr, ffi = self._ptr(), self._ffi
         seq_id = self._check_seq(seq_id)
@@ -533,18 +591,24 @@ class Context:
             n = int(self._lib.llama_state_seq_set_data(ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq_id))
         self._out_mode, self._all_logits = None, None
         if n == 0:
+            self._discard_failed_load(seq_id)
             raise StateError(f"llama.cpp rejected the sequence state: {_log_tail(log) or 'no reason given'}")
 
+    @_serialized
     def save_state_file(self, path: str | os.PathLike, tokens: Sequence[int]) -> None:
-        """Save the state and ``tokens`` (e.g. the prompt) to ``path``."""
+        """Save the state and ``tokens`` (e.g. the prompt) to ``path``.
+
+        Written to a temporary file beside ``path`` and renamed when complete:
+        a failed save (full disk) leaves ``path`` as it was."""
         ptr, ffi = self._ptr(), self._ffi
         arr = self.model.check_tokens(tokens)
         toks = ffi.from_buffer("llama_token[]", arr) if arr.size else ffi.NULL
-        with bindings.capture_log() as log:
-            ok = self._lib.llama_state_save_file(ptr, os.fsencode(os.fspath(path)), toks, len(arr))
-        if not ok:
-            raise StateError(f"could not save the state to {path}: {_log_tail(log) or 'no reason given'}")
+        with atomic_output_path(path) as tmp, bindings.capture_log() as log:
+            ok = self._lib.llama_state_save_file(ptr, os.fsencode(tmp), toks, len(arr))
+            if not ok:
+                raise StateError(f"could not save the state to {path}: {_log_tail(log) or 'no reason given'}")
 
+    @_serialized
     def load_state_file(self, path: str | os.PathLike) -> list[int]:
         """Restore a state saved by :meth:`save_state_file`; return its tokens."""
         ptr, ffi = self._ptr(), self._ffi
@@ -558,9 +622,11 @@ class Context:
             ok = self._lib.llama_state_load_file(ptr, os.fsencode(path), out, cap, n_out)
         self._out_mode, self._all_logits, self._out_n = None, None, 0
         if not ok:
+            self._discard_failed_load(-1)
             raise StateError(f"could not load the state from {path}: {_log_tail(log) or 'no reason given'}")
         return list(out[0:int(n_out[0])])
 
+    @_serialized
     def save_seq_state_file(self, path: str | os.PathLike, seq_id: int = 0, tokens: Sequence[int] = ()) -> int:
         """Save sequence ``seq_id``'s state and ``tokens`` to ``path``
         (``llama_state_seq_save_file``); returns the bytes written."""
@@ -568,12 +634,13 @@ class Context:
         seq_id = self._check_seq(seq_id)
         arr = self.model.check_tokens(tokens)
         toks = ffi.from_buffer("llama_token[]", arr) if arr.size else ffi.NULL
-        with bindings.capture_log() as log:
-            n = int(self._lib.llama_state_seq_save_file(ptr, os.fsencode(os.fspath(path)), seq_id, toks, len(arr)))
-        if n == 0:
-            raise StateError(f"could not save sequence {seq_id} to {path}: {_log_tail(log) or 'no reason given'}")
+        with atomic_output_path(path) as tmp, bindings.capture_log() as log:
+            n = int(self._lib.llama_state_seq_save_file(ptr, os.fsencode(tmp), seq_id, toks, len(arr)))
+            if n == 0:
+                raise StateError(f"could not save sequence {seq_id} to {path}: {_log_tail(log) or 'no reason given'}")
         return n
 
+    @_serialized
     def load_seq_state_file(self, path: str | os.PathLike, seq_id: int = 0) -> list[int]:
         """Restore a sequence saved by :meth:`save_seq_state_file` into
         ``seq_id`` (replacing it); return its tokens."""
@@ -589,11 +656,13 @@ class Context:
             n = int(self._lib.llama_state_seq_load_file(ptr, os.fsencode(path), seq_id, out, cap, n_out))
         self._out_mode, self._all_logits, self._out_n = None, None, 0
         if n == 0:
+            self._discard_failed_load(seq_id)
             raise StateError(f"could not load sequence state from {path}: {_log_tail(log) or 'no reason given'}")
         return list(out[0:int(n_out[0])])
 
     # -- HeadInfer --------------------------------------------------------- #
 
+    @_serialized
     def kv_residency(self) -> dict | None:
         """Where the KV cache's bytes live, as allocated by llama.cpp
         (``llama_kv_residency_buffers`` / ``_layers``; nothing is recomputed here)::

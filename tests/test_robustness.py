@@ -1,0 +1,244 @@
+"""What a new user hit (issue 16): a Context shared by threads, failed state
+loads, state files on a full disk.
+
+The thread and full-disk cases run in a child interpreter: before the fixes
+the first one aborted the process (``GGML_ASSERT(!sched->is_alloc)``), which
+would take pytest down with it; the second needs a file-size limit that must
+not apply to pytest itself.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from pyllama_headinfer.testing_models import CORPUS
+
+FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
+
+
+@pytest.fixture(scope="module")
+def model(llama, gguf_models):
+    with llama.Model(gguf_models["llama-gqa"]) as m:
+        yield m
+
+
+def run_child(code: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + sys.path)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+# --------------------------------------------------------------------------
+# 16.1: one Context, several threads
+
+THREADS_CHILD = """
+    import sys, threading
+    from pyllama_headinfer.llama import Model, Context
+    from pyllama_headinfer.testing_models import CORPUS
+
+    model = Model(sys.argv[1])
+    prompt = model.tokenize(CORPUS)[:24]
+    with Context(model, n_ctx=256, n_threads=1) as ctx:
+        reference = list(ctx.generate(prompt, 48, stop_at_eog=False))
+        for round_ in range(4):
+            barrier = threading.Barrier(3)
+            results = [None] * 3
+
+            def work(i):
+                barrier.wait()
+                if i == 2:  # a third thread pokes at the context meanwhile
+                    for _ in range(20):
+                        ctx.n_tokens(), ctx.kv_residency()
+                    results[i] = "poked"
+                else:
+                    results[i] = list(ctx.generate(prompt, 48, stop_at_eog=False))
+
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert results[0] == reference and results[1] == reference, (round_, results)
+            assert results[2] == "poked"
+    print("threads ok")
+"""
+
+
+def test_one_context_two_threads_generate_as_if_sequential(built, gguf_models):
+    proc = run_child(THREADS_CHILD, str(gguf_models["llama-gqa"]))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "threads ok" in proc.stdout
+
+
+CLOSE_CHILD = """
+    import sys, threading
+    from pyllama_headinfer.llama import Model, Context, ClosedError
+    from pyllama_headinfer.testing_models import CORPUS
+
+    model = Model(sys.argv[1])
+    prompt = model.tokenize(CORPUS)[:24]
+    ctx = Context(model, n_ctx=256, n_threads=1)
+    started = threading.Event()
+    outcome = []
+
+    def work():
+        try:
+            for i, _ in enumerate(ctx.generate(prompt, 200, stop_at_eog=False)):
+                started.set()
+            outcome.append("finished")
+        except ClosedError:
+            outcome.append("closed")
+
+    t = threading.Thread(target=work)
+    t.start()
+    started.wait()
+    ctx.close()  # waits for the generation holding the context
+    t.join()
+    assert ctx.closed and outcome == ["finished"], outcome
+    print("close ok")
+"""
+
+
+def test_close_from_another_thread_waits_for_the_running_generation(built, gguf_models):
+    proc = run_child(CLOSE_CHILD, str(gguf_models["llama-gqa"]))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "close ok" in proc.stdout
+
+
+# --------------------------------------------------------------------------
+# 16.2: a failed state load leaves a cleared context / sequence
+
+
+def _clean_logits(llama, model, frac, next_tokens, seq_ids=(0,), n_seq_max=1, prefix=None):
+    """Logits of decoding next_tokens into a context that never saw a load."""
+    with llama.Context(model, n_ctx=256, n_seq_max=n_seq_max, kv_unified=n_seq_max == 1 or None,
+                       n_threads=1, headinfer_gpu_heads_frac=frac) as c:
+        if prefix is not None:
+            c.decode(prefix, seq_id=0)
+        out = {}
+        for s in seq_ids:
+            c.decode(next_tokens, seq_id=s)
+            out[s] = c.logits()
+        return out
+
+
+@pytest.fixture(params=[1.0, 0.5], ids=["whole", "split"])
+def frac(request, monkeypatch):
+    monkeypatch.setenv(FORCE_SPLIT, "1")
+    return request.param
+
+
+def _cuts(n: int):
+    return sorted({16, 40, 100, n // 3, n // 2, n - 64, n - 1})
+
+
+def test_failed_state_load_leaves_a_cleared_context(llama, model, frac, tmp_path):
+    toks = model.tokenize(CORPUS)[:16]
+    probe = model.tokenize(CORPUS)[16:24]
+    with llama.Context(model, n_ctx=256, n_threads=1, headinfer_gpu_heads_frac=frac) as c:
+        c.decode(toks)
+        state = c.save_state()
+        c.save_state_file(tmp_path / "s.bin", toks)
+    whole_file = (tmp_path / "s.bin").read_bytes()
+    clean = _clean_logits(llama, model, frac, probe)[0]
+    for cut in _cuts(len(state)):
+        with llama.Context(model, n_ctx=256, n_threads=1, headinfer_gpu_heads_frac=frac) as c:
+            c.decode(toks[:5])  # something to lose
+            with pytest.raises(llama.StateError):
+                c.load_state(state[:cut])
+            assert c.n_tokens() == 0, f"bytes cut at {cut}"
+            c.decode(probe)
+            np.testing.assert_array_equal(c.logits(), clean, err_msg=f"bytes cut at {cut}")
+    for cut in _cuts(len(whole_file)):
+        (tmp_path / "cut.bin").write_bytes(whole_file[:cut])
+        with llama.Context(model, n_ctx=256, n_threads=1, headinfer_gpu_heads_frac=frac) as c:
+            with pytest.raises(llama.StateError):
+                c.load_state_file(tmp_path / "cut.bin")
+            assert c.n_tokens() == 0, f"file cut at {cut}"
+            c.decode(probe)
+            np.testing.assert_array_equal(c.logits(), clean, err_msg=f"file cut at {cut}")
+
+
+def test_failed_seq_state_load_leaves_that_sequence_empty(llama, model, frac, tmp_path):
+    toks = model.tokenize(CORPUS)[:16]
+    probe = model.tokenize(CORPUS)[16:24]
+    kw = dict(n_ctx=256, n_seq_max=2, n_threads=1, headinfer_gpu_heads_frac=frac)
+    with llama.Context(model, **kw) as c:
+        c.decode(toks, seq_id=0)
+        state = c.save_seq_state(0)
+        c.save_seq_state_file(tmp_path / "seq.bin", 0, toks)
+    whole_file = (tmp_path / "seq.bin").read_bytes()
+    clean = _clean_logits(llama, model, frac, probe, seq_ids=(1, 0), n_seq_max=2, prefix=toks)
+    for what, data in (("bytes", state), ("file", whole_file)):
+        for cut in _cuts(len(data)):
+            with llama.Context(model, **kw) as c:
+                c.decode(toks, seq_id=0)  # the other sequence must survive
+                c.decode(toks[:5], seq_id=1)  # and this one's old content must go
+                with pytest.raises(llama.StateError):
+                    if what == "bytes":
+                        c.load_seq_state(data[:cut], 1)
+                    else:
+                        (tmp_path / "cut.bin").write_bytes(data[:cut])
+                        c.load_seq_state_file(tmp_path / "cut.bin", 1)
+                assert c.n_tokens(1) == 0 and c.n_tokens(0) == 16, f"{what} cut at {cut}"
+                c.decode(probe, seq_id=1)
+                np.testing.assert_array_equal(c.logits(), clean[1], err_msg=f"{what} cut at {cut}, seq 1")
+                c.decode(probe, seq_id=0)
+                np.testing.assert_array_equal(c.logits(), clean[0], err_msg=f"{what} cut at {cut}, seq 0")
+
+
+# --------------------------------------------------------------------------
+# 16.3: saving to a full disk leaves no partial file
+
+FULL_DISK_CHILD = """
+    import os, resource, signal, sys
+    from pyllama_headinfer.llama import Model, Context, StateError
+    from pyllama_headinfer.testing_models import CORPUS
+
+    model_path, directory = sys.argv[1], sys.argv[2]
+    model = Model(model_path)
+    toks = model.tokenize(CORPUS)[:32]
+    with Context(model, n_ctx=256, n_threads=1) as ctx:
+        ctx.decode(toks)
+        size = len(ctx.save_state())
+        target = os.path.join(directory, "state.bin")
+        with open(target, "wb") as f:
+            f.write(b"previous good file")
+        # a "full disk": writes past 4 KiB fail with EFBIG (SIGXFSZ ignored, as a full disk sends none)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        for save in (lambda: ctx.save_state_file(target, toks), lambda: ctx.save_seq_state_file(target, 0, toks)):
+            try:
+                save()
+            except StateError as e:
+                print("refused:", str(e).splitlines()[0][:80])
+            else:
+                raise SystemExit(f"a {size}-byte state was saved under a 4 KiB limit")
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        print("left:", sorted(os.listdir(directory)))
+        with open(target, "rb") as f:
+            print("target:", f.read())
+        ctx.save_state_file(target, toks)  # with room again: the real file
+        with Context(model, n_ctx=256, n_threads=1) as other:
+            print("loaded", len(other.load_state_file(target)))
+"""
+
+
+def test_state_save_on_a_full_disk_keeps_the_old_file(built, gguf_models, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_child(FULL_DISK_CHILD, str(gguf_models["llama-gqa"]), str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sum(line.startswith("refused:") for line in lines) == 2, proc.stdout
+    assert "left: ['state.bin']" in lines, proc.stdout  # no temporary left behind
+    assert "target: b'previous good file'" in lines, proc.stdout
+    assert "loaded 32" in lines, proc.stdout
+    assert oct(os.stat(out / "state.bin").st_mode & 0o777) != oct(0o600)  # not mkstemp's private mode
