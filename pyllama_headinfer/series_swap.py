@@ -33,6 +33,8 @@ def _prepare_source(llama_src, allow_unverified: bool, say=print) -> Tuple[Path,
     located = Path(source.locate_tree(llama_src)).resolve()
     kept = _revert_recorded_series(located, current, say)
     tree = Path(source.ensure_source(llama_src, allow_unverified=allow_unverified)).resolve()
+    # a tree replaced by `source fetch --force`: patched files that come out as they were keep their times
+    kept = {**source.take_replaced_file_times(tree), **kept}
     patches.apply(tree)
     if kept:
         _restore_unchanged_mtimes(tree, kept)

@@ -252,6 +252,31 @@ def test_fetch_from_a_github_style_archive(fake_pin, http_server, monkeypatch, n
     assert http_server.requests == ["/archive.tar.gz"]
 
 
+def test_fetch_force_keeps_the_times_of_unchanged_files(fake_pin, http_server, monkeypatch, no_pypi):
+    """`source fetch --force` (the recipe for an edited cache) must not make the
+    next build recompile everything: unchanged files, and patched files that
+    the build patches back to the same bytes, keep their times (issue 16.4)."""
+    from pyllama_headinfer.series_swap import _prepare_source
+
+    github_like_archive(fake_pin.repo, fake_pin.base, http_server.root / "archive.tar.gz")
+    monkeypatch.setenv(source.ARCHIVE_URL_ENV, f"{http_server.url}/archive.tar.gz")
+    tree, _ = _prepare_source(None, False, lambda msg: None)  # fetch + apply the (fake) series
+    assert patches.status(tree).state == patches.State.APPLIED
+    old = 1_000_000_000 * 1_500_000_000  # 2017: older than anything a build makes
+    files = [p for p in tree.rglob("*") if p.is_file() and not p.is_symlink()]
+    for path in files:
+        os.utime(path, ns=(old, old))
+    patched = patches.load_series().touched
+    edited = next(str(p.relative_to(tree)) for p in files if str(p.relative_to(tree)) not in patched)
+    (tree / edited).write_text("hand edit\n")  # the reason to run fetch --force
+
+    assert source.fetch_source(force=True) == tree
+    again, _ = _prepare_source(None, False, lambda msg: None)
+    assert again == tree and patches.status(tree).state == patches.State.APPLIED
+    newer = sorted(str(p.relative_to(tree)) for p in files if p.exists() and p.stat().st_mtime_ns != old)
+    assert newer == [edited], patched
+
+
 def test_wrong_archive_is_rejected_and_deleted(fake_pin, http_server, monkeypatch, no_pypi):
     other = git(fake_pin.repo, "rev-parse", "HEAD").decode().strip()
     github_like_archive(fake_pin.repo, other, http_server.root / "archive.tar.gz")
@@ -279,7 +304,7 @@ def test_a_tree_installed_by_a_concurrent_fetch_is_kept(tmp_path):
     assert (final / "theirs").exists()
     assert source._install_tree(staged, final, replace=True) == final
     assert not (final / "theirs").exists() and not staged.exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["final"]
+    assert [p.name for p in tmp_path.iterdir() if p.name != "cache"] == ["final"]  # cache: isolated_cache's
 
 
 def test_path_traversal_archive_is_refused(fake_pin, http_server, monkeypatch, no_pypi, tmp_path):
