@@ -56,7 +56,8 @@ from .build_plan import (BUILD_TYPES, SANITIZERS, TOOL_TARGETS, BuildPlan, build
                          default_build_dir, parse_define, plan_build, split_cmake_args)
 from .build_steps import (STATE_NAME, TAIL_LINES, BuildInterrupted, _bindings_fingerprint, _build_bindings, _compile,
                           _configure_argv, _configure_if_needed, _configured_tools, _interrupted,
-                          _needs_configure, _select_targets, _unset_dropped, library_targets, phony_outputs)
+                          _needs_configure, _select_targets, _unset_dropped, configured_with_tools, library_targets,
+                          phony_outputs)
 from .errors import BuildError
 from .manifest import BUILD_DIR_ENV, MANIFEST_FORMAT, MANIFEST_NAME, _manifest, _read_json, _write_json, load_manifest
 from .progress import NINJA_STATUS
@@ -106,7 +107,7 @@ class BuildResult:
 def build(*, llama_src: Optional[os.PathLike] = None, allow_unverified: bool = False,
           build_dir: Optional[os.PathLike] = None, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
           cmake_args: Sequence[str] = (), sanitize: Optional[str] = None, build_type: Optional[str] = None,
-          tools: bool = False, jobs: Optional[int] = None, wait: bool = True, fresh: bool = False,
+          tools: Optional[bool] = None, jobs: Optional[int] = None, wait: bool = True, fresh: bool = False,
           bindings: bool = True, verbose: bool = False, out: Optional[IO[str]] = None,
           env: Optional[Mapping[str, str]] = None) -> BuildResult:
     """Builds the patched llama.cpp; returns where and what (see the module docstring).
@@ -134,7 +135,16 @@ def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch,
            build_type, tools, jobs, wait, fresh, bindings, verbose, env) -> BuildResult:
     start = time.monotonic()
     plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
-                      build_type=build_type, tools=tools, build_dir=build_dir, env=env)
+                      build_type=build_type, tools=bool(tools), build_dir=build_dir, env=env)
+    if tools is None and configured_with_tools(plan.build_dir):
+        # a plain `build` keeps what the directory was asked to build before (dropping the tools
+        # would make the next `build --tools` recompile them all)
+        say("Keeping llama-cli, llama-server and llama-bench: this directory was built with --tools "
+            "(--no-tools removes them).")
+        plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
+                          build_type=build_type, tools=True, build_dir=build_dir, env=env)
+    elif tools is False and configured_with_tools(plan.build_dir):
+        say("Removing llama-cli, llama-server and llama-bench from this directory's configuration (--no-tools).")
     for note in plan.notes:
         say(note)
     d = plan.build_dir
@@ -245,7 +255,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="address: ASan+UBSan, thread: TSan; its own build directory (cpu-asan, ...)")
     cfg.add_argument("--build-type", choices=BUILD_TYPES,
                      help="CMAKE_BUILD_TYPE (default Release; RelWithDebInfo with --sanitize)")
-    cfg.add_argument("--tools", action="store_true", help="also build llama-cli, llama-server and llama-bench")
+    cfg.add_argument("--tools", action=argparse.BooleanOptionalAction, default=None,
+                     help="also build llama-cli, llama-server and llama-bench (into <build dir>/bin); "
+                          "without either flag, a directory keeps what it was built with")
     cfg.add_argument("--build-dir", metavar="DIR",
                      help="build directory (default: build/<config> in a checkout, else <cache>/build/<config>)")
     run_g = parser.add_argument_group("running")
@@ -268,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         [f"-D{d.strip()}" for d in getattr(args, "defines", [])]
     if args.dry_run:
         plan = plan_build(cuda=args.cuda, cuda_arch=args.cuda_arch, cmake_args=cmake_args,
-                          sanitize=args.sanitize, build_type=args.build_type, tools=args.tools,
+                          sanitize=args.sanitize, build_type=args.build_type, tools=bool(args.tools),
                           build_dir=args.build_dir)
         for note in plan.notes:
             print(note, file=sys.stderr)

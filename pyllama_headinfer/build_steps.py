@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import cmake as tc
+from .build_lock import held_lock_fds
 from .build_plan import TOOL_TARGETS, BuildPlan
 from .errors import BuildError, HeadInferError
 from .manifest import _read_json, _write_json
@@ -52,6 +53,12 @@ def _configured_tools(d: Path) -> Tuple[Optional[str], Optional[str]]:
     argv = state.get("argv") or []
     ninja = next((a.split("=", 1)[1] for a in argv if a.startswith("-DCMAKE_MAKE_PROGRAM=")), None)
     return state.get("cmake") or (argv[0] if argv else None), state.get("ninja") or ninja
+
+
+def configured_with_tools(d: Path) -> bool:
+    """Whether the last successful configure of ``d`` included the tools (``build --tools``)."""
+    state = _read_json(d / STATE_NAME) or {}
+    return "-DLLAMA_BUILD_TOOLS=ON" in (state.get("argv") or [])
 
 
 def _configure_if_needed(plan, source_tree, cmake, ninja, fresh, log, log_path, run_env, echo, say) -> bool:
@@ -198,9 +205,11 @@ def _run_logged(argv: Sequence[str], log: IO[str], *, cwd: Path, progress: Optio
     log.write(f"$ {' '.join(shlex.quote(str(a)) for a in argv)}\n")
     log.flush()
     try:
+        # the build lock goes with the child (and ninja's compilers): see build_lock
         proc = subprocess.Popen([str(a) for a in argv], cwd=str(cwd), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(env or os.environ),
-                                text=True, encoding="utf-8", errors="replace", bufsize=1)
+                                text=True, encoding="utf-8", errors="replace", bufsize=1,
+                                pass_fds=held_lock_fds())
     except OSError as exc:
         raise BuildError(f"Cannot run {argv[0]}: {exc}") from None
     try:
