@@ -39,8 +39,8 @@ from __future__ import annotations
 
 from .api.context import KV_CACHE_TYPES, Context, check_headinfer_frac, logger
 from .api.devices import DeviceInfo, list_devices, rpc_add_server, rpc_serve
-from .api.exceptions import (ClosedError, ContextError, ContextOverflowError, DecodeError, ModelError,
-                             StateError, TokenError)
+from .api.exceptions import (ClosedError, ContextError, ContextOverflowError, DecodeError, HeadInferWarning,
+                             ModelError, StateError, TokenError)
 from .api.gguf_check import check_gguf
 from .api.model import Model
 from .api.residency import HEADINFER_HOST_SUFFIX, format_kv_residency
@@ -56,7 +56,7 @@ __all__ = [
     "KV_CACHE_TYPES", "HEADINFER_HOST_SUFFIX", "logger",
     # exceptions
     "HeadInferError", "ModelError", "ClosedError", "ContextError", "DecodeError", "TokenError",
-    "ContextOverflowError", "StateError",
+    "ContextOverflowError", "StateError", "HeadInferWarning",
 ]
 
 # The classes keep this module's name, as before the split: in tracebacks

@@ -242,3 +242,26 @@ def test_state_save_on_a_full_disk_keeps_the_old_file(built, gguf_models, tmp_pa
     assert "target: b'previous good file'" in lines, proc.stdout
     assert "loaded 32" in lines, proc.stdout
     assert oct(os.stat(out / "state.bin").st_mode & 0o777) != oct(0o600)  # not mkstemp's private mode
+
+
+# --------------------------------------------------------------------------
+# 16.5: the split decision is visible by default
+
+
+def test_an_ignored_fraction_is_a_warning(llama, model, monkeypatch, recwarn):
+    monkeypatch.delenv(FORCE_SPLIT, raising=False)
+    with pytest.warns(llama.HeadInferWarning, match=r"0\.5 is ignored: .*KV is in host memory already"):
+        llama.Context(model, n_ctx=256, n_threads=1, headinfer_gpu_heads_frac=0.5).close()
+    monkeypatch.setenv(FORCE_SPLIT, "1")
+    with pytest.warns(llama.HeadInferWarning, match=r"ignored: .*flash attention is off"):
+        llama.Context(model, n_ctx=256, n_threads=1, headinfer_gpu_heads_frac=0.5, flash_attn=False).close()
+
+
+def test_a_split_is_logged_at_info_and_warns_nothing(llama, model, monkeypatch, caplog, recwarn):
+    monkeypatch.setenv(FORCE_SPLIT, "1")
+    with caplog.at_level("INFO", logger="pyllama_headinfer.llama"):
+        llama.Context(model, n_ctx=256, n_threads=1, headinfer_gpu_heads_frac=0.5).close()
+        llama.Context(model, n_ctx=256, n_threads=1).close()  # frac 1.0: nothing to say
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("headinfer_gpu_heads_frac")]
+    assert len(said) == 1 and "3 of 3 KV layers split" in said[0], said
+    assert not [w for w in recwarn if issubclass(w.category, llama.HeadInferWarning)]

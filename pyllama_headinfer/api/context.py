@@ -13,16 +13,17 @@ import math
 import numbers
 import os
 import threading
+import warnings
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from .. import bindings
-from .exceptions import (ClosedError, ContextError, ContextOverflowError, DecodeError, StateError,
-                         _log_tail)
+from .exceptions import (ClosedError, ContextError, ContextOverflowError, DecodeError, HeadInferWarning,
+                         StateError, _log_tail)
 from .atomic_file import atomic_output_path
 from .model import Model
-from .residency import read_kv_residency
+from .residency import kv_residency_totals, read_kv_residency
 from .sampler import Sampler
 
 # The API's logger keeps the name of the public module (documented, and what
@@ -155,6 +156,28 @@ class Context:
         self._out_n = 0  # tokens in the last llama_decode call
         self._all_logits: np.ndarray | None = None  # "all" over several batches
         self._out_rows: set = set()  # batch indices with logits after decode_batch()
+        if frac < 1.0:
+            self._report_split(frac, log)
+
+    def _report_split(self, frac: float, log) -> None:
+        """Say what became of a fraction < 1, where a user sees it by default:
+        an INFO log line when layers were split, a :class:`HeadInferWarning`
+        when none was (the decision from the residency report; the reasons
+        from llama.cpp's log of the context's creation)."""
+        report = self.kv_residency()
+        layers = report["layers"] if report else []
+        n_split = sum(1 for x in layers if x["n_head_resident"] < x["n_head_kv"])
+        if n_split:
+            device, host = kv_residency_totals(report)
+            logger.info("headinfer_gpu_heads_frac = %g: %d of %d KV layers split; KV %.1f MiB in the layers' "
+                        "buffers, %.1f MiB in host memory", frac, n_split, len(layers), device / 2**20, host / 2**20)
+            return
+        reasons = sorted({t.split("not split:", 1)[1].strip() for _, t in log if "not split:" in t}
+                         | {t.split("ignored:", 1)[1].strip() for _, t in log if "headinfer" in t and "ignored:" in t})
+        why = "; ".join(reasons) if reasons else ("this context has no attention KV cache" if report is None
+                                                  else "llama.cpp gave no reason")
+        warnings.warn(f"headinfer_gpu_heads_frac = {frac:g} is ignored: no KV layer was split ({why}); "
+                      "the whole KV cache stays in the layers' buffers", HeadInferWarning, stacklevel=3)
 
     def _frac_for_budget(self, model: Model, budget, frac: float, **params) -> float:
         """The fraction for ``headinfer_vram_budget`` (see ``pyllama_headinfer.plan.plan_for_context``)."""

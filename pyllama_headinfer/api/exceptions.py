@@ -43,6 +43,11 @@ class StateError(HeadInferError):
     """Saving or restoring a context state failed."""
 
 
+class HeadInferWarning(UserWarning):
+    """A HeadInfer request that llama.cpp could not honour (e.g. a fraction < 1
+    that splits no layer); shown by Python's default warning filter."""
+
+
 def _log_tail(lines, n: int = 3) -> str:
     errs = [t for lvl, t in lines if lvl >= logging.WARNING]
     picked = (errs or [t for _, t in lines])[-n:]
