@@ -44,7 +44,12 @@ ENV_BUILD_DIR = "PYLLAMA_HEADINFER_BUILD_DIR"
 logger = logging.getLogger("pyllama_headinfer.llama")
 logger.addHandler(logging.NullHandler())
 
-REBUILD_HINT = "run `python -m pyllama_headinfer build`"
+def rebuild_hint() -> str:
+    """What to run to get a usable build: for the directory $PYLLAMA_HEADINFER_BUILD_DIR names, if set."""
+    bdir = build_dir()
+    if bdir:
+        return f"run `python -m pyllama_headinfer build --build-dir {bdir}` ({ENV_BUILD_DIR} names that directory)"
+    return "run `python -m pyllama_headinfer build`"
 
 
 class NotBuiltError(BuildError):
@@ -81,8 +86,10 @@ def load_manifest() -> tuple[Path, dict]:
     except NotBuiltError:
         raise
     except (BuildError, OSError, ValueError) as exc:
-        raise NotBuiltError(f"no usable llama.cpp build in {where}: {exc} -- {REBUILD_HINT} "
-                            f"(or set {ENV_BUILD_DIR} to a build directory)") from exc
+        # the build module's message ends with its own advice for the build CLI; ours replaces it
+        reason = str(exc).split(" Run `python -m pyllama_headinfer build`", 1)[0].rstrip(". ")
+        other = "" if bdir else f", or set {ENV_BUILD_DIR} to a build directory"
+        raise NotBuiltError(f"no usable llama.cpp build in {where}: {reason}; {rebuild_hint()}{other}") from exc
     return Path(manifest.get("build_dir") or bdir), manifest
 
 
@@ -91,7 +98,7 @@ def extension_path(bdir: Path, manifest: dict) -> Path:
     value = manifest.get("bindings")
     if not value:
         raise NotBuiltError(f"the build in {bdir} has no Python bindings (built with --no-bindings, or "
-                            f"compiling them failed); {REBUILD_HINT}")
+                            f"compiling them failed); {rebuild_hint()}")
     p = Path(value)
     return p if p.is_absolute() else bdir / p
 
@@ -101,6 +108,8 @@ def extension_path(bdir: Path, manifest: dict) -> Path:
 # --------------------------------------------------------------------------- #
 
 _LEVELS = {}  # filled in _install_logging: ggml level -> logging level
+
+CAPTURED_ATTR = "pyllama_captured"  # LogRecord attribute: the line was also captured (capture_log)
 
 
 class _LogRouter:
@@ -133,7 +142,9 @@ class _LogRouter:
         for cap in self._captures:
             cap.append((level, line))
         if logger.isEnabledFor(level):
-            logger.log(level, "%s", line)
+            # captured lines are quoted by the exception the API raises when the call fails: a CLI
+            # that prints that exception can leave them out (see cli._cli_logging)
+            logger.log(level, "%s", line, extra={CAPTURED_ATTR: bool(self._captures)})
 
     def flush(self) -> None:
         with self._lock:
@@ -245,13 +256,13 @@ def _import_extension(path: Path):
         _preload_libstdcxx()
     spec = importlib.util.spec_from_file_location(name, str(path))
     if spec is None or spec.loader is None:
-        raise NotBuiltError(f"cannot load the extension module {path}; {REBUILD_HINT}")
+        raise NotBuiltError(f"cannot load the extension module {path}; {rebuild_hint()}")
     mod = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(mod)
     except ImportError as exc:  # e.g. a symbol missing from a libllama rebuilt differently
         raise StaleBuildError(f"the extension module {path} does not load ({exc}); the llama.cpp libraries "
-                              f"changed since it was compiled -- {REBUILD_HINT}") from exc
+                              f"changed since it was compiled -- {rebuild_hint()}") from exc
     sys.modules[name] = mod
     return mod
 
@@ -262,7 +273,7 @@ def check_stamp(ffi, lib, path: Path | str = "the extension module") -> str:
     if built != current:
         raise StaleBuildError(
             f"stale build: {path} was compiled for {built!r}, but this checkout is {current!r} "
-            f"(pin commit + patch-series hash); {REBUILD_HINT}"
+            f"(pin commit + patch-series hash); {rebuild_hint()}"
         )
     return built
 
@@ -279,7 +290,7 @@ def check_abi(ffi, lib) -> None:
             "libllama does not match the headers the extension was compiled against "
             f"(llama_context_default_params(): type_k={p.type_k}, type_v={p.type_v}, "
             f"headinfer_gpu_heads_frac={p.headinfer_gpu_heads_frac}; expected f16, f16, 1.0) -- "
-            f"the libraries were rebuilt from a different llama.h; {REBUILD_HINT}"
+            f"the libraries were rebuilt from a different llama.h; {rebuild_hint()}"
         )
 
 
@@ -295,7 +306,7 @@ def load():
         _check_sanitizer_runtime(manifest)
         path = extension_path(bdir, manifest)
         if not path.is_file():
-            raise NotBuiltError(f"the cffi extension {path} is missing (incomplete build); {REBUILD_HINT}")
+            raise NotBuiltError(f"the cffi extension {path} is missing (incomplete build); {rebuild_hint()}")
         mod = _import_extension(path)
         ffi, lib = mod.ffi, mod.lib
         check_stamp(ffi, lib, path)

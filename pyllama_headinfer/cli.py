@@ -74,6 +74,13 @@ def _cli_logging(verbose: bool):
     saved = (logger.level, logger.propagate)
     handler = _CurrentStderr()
     handler.setFormatter(_Formatter("%(message)s"))
+    if not verbose:
+        from .bindings import CAPTURED_ATTR
+
+        # llama.cpp's errors inside an API call are quoted by the exception the call raises, which is
+        # printed as `error: ...`: once is enough (warnings still show, they may not end in an exception)
+        handler.addFilter(lambda record: not (record.levelno >= logging.ERROR
+                                              and getattr(record, CAPTURED_ATTR, False)))
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)
     logger.propagate = False  # no second copy through handlers of the root logger

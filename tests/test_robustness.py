@@ -265,3 +265,63 @@ def test_a_split_is_logged_at_info_and_warns_nothing(llama, model, monkeypatch, 
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("headinfer_gpu_heads_frac")]
     assert len(said) == 1 and "3 of 3 KV layers split" in said[0], said
     assert not [w for w in recwarn if issubclass(w.category, llama.HeadInferWarning)]
+
+
+# --------------------------------------------------------------------------
+# 16.7: smaller things
+
+
+def test_overflow_message_says_why_n_ctx_differs(llama, model):
+    with llama.Context(model, n_ctx=16, n_threads=1) as c:
+        with pytest.raises(llama.ContextOverflowError, match=r"n_ctx=256: llama.cpp rounds the requested 16 up"):
+            c.decode(list(range(1, 300)))
+
+
+def test_sampling_parameters_out_of_range_are_refused(llama):
+    for kwargs in ({"top_p": 7}, {"top_p": 0}, {"top_k": -1}, {"min_p": 2}, {"temperature": float("nan")}):
+        for temperature in (0.0, 0.7):
+            with pytest.raises(ValueError):
+                llama.Sampler.from_params(**{"temperature": temperature, **kwargs})
+
+
+def test_a_context_larger_than_the_machine_is_refused_at_once(llama, model):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(llama.ContextError, match=r"n_ctx=2147483647 needs .* GiB of KV cache .* more than all the "
+                                                 r"memory of this machine"):
+        llama.Context(model, n_ctx=2**31 - 1, n_threads=1)
+    assert time.monotonic() - start < 20  # not a benchmark: before the check, llama.cpp took ~30 s to fail
+    alive = llama.Context(model, n_ctx=256, n_threads=1)
+    alive.close()
+
+
+def test_cli_prints_a_llama_cpp_error_once(built, gguf_models, capsys):
+    from pyllama_headinfer import cli
+
+    rc = cli.main(["generate", "--model", str(gguf_models["llama-gqa"]), "--prompt", "hi", "-n", "1",
+                   "--cache-type-v", "q4_0", "--no-flash-attn"])
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert err.count("quantized V cache requires flash_attn") == 1, err
+
+
+NOT_BUILT_CHILD = """
+    from pyllama_headinfer.llama import Model, HeadInferError
+    import sys
+    try:
+        Model(sys.argv[1])
+    except HeadInferError as e:
+        print(e)
+"""
+
+
+def test_not_built_message_names_the_build_dir_in_use(built, gguf_models, tmp_path):
+    env_dir = tmp_path / "elsewhere"
+    env = dict(os.environ, PYLLAMA_HEADINFER_BUILD_DIR=str(env_dir),
+               PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(NOT_BUILT_CHILD), str(gguf_models["llama-gqa"])],
+                          capture_output=True, text=True, env=env, timeout=120)
+    message = proc.stdout.strip()
+    assert f"build --build-dir {env_dir}`" in message, message
+    assert message.count("python -m pyllama_headinfer build") == 1, message

@@ -6,6 +6,7 @@ save/load, and the HeadInfer KV residency report (read in
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -59,6 +60,44 @@ def _check_count(name: str, value, minimum: int) -> int:
     if value > 2**31 - 1:
         raise ValueError(f"{name} is too large: {value!r}")
     return int(value)
+
+
+_HUGE_N_CTX = 1 << 20  # above this (and the model's training context) the KV size is checked first
+
+
+def _check_kv_fits_the_machine(model: Model, ffi, lib, **params) -> None:
+    """Refuse a context whose KV cache alone exceeds all the memory of this
+    machine (RAM + devices): llama.cpp would spend a long time (30 s for
+    n_ctx = 2**31 - 1) before failing with std::bad_alloc."""
+    from ..plan import format_bytes, plan_kv
+
+    try:
+        row = plan_kv(model.path, **params).rows[-1]  # g = n_head_kv: the whole cache
+    except Exception as exc:  # noqa: BLE001 - an estimate only; llama.cpp has the last word
+        logger.debug("no KV size estimate before creating the context: %s", exc)
+        return
+    kv = row.device_kv + row.host_kv
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    free, total = ffi.new("size_t *"), ffi.new("size_t *")
+    for i in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(i)
+        if lib.ggml_backend_dev_type(dev) != lib.GGML_BACKEND_DEVICE_TYPE_CPU:
+            lib.ggml_backend_dev_memory(dev, free, total)
+            memory += int(total[0])
+    if kv > memory:
+        raise ContextError(f"n_ctx={params['n_ctx']} needs {format_bytes(kv)} of KV cache "
+                           f"({params['type_k']}/{params['type_v']}), more than all the memory of this machine "
+                           f"({format_bytes(memory)}, RAM and devices)")
+
+
+@contextlib.contextmanager
+def _state_file(path, what: str):
+    """:func:`atomic_output_path`, with the file system's errors as :class:`StateError`."""
+    try:
+        with atomic_output_path(path) as tmp:
+            yield tmp
+    except OSError as exc:
+        raise StateError(f"could not save {what} to {path}: {exc.strerror or exc}") from None
 
 
 def _serialized(method):
@@ -132,6 +171,9 @@ class Context:
                                          type_v=str(type_v).lower(), flash_attn=flash_attn, offload_kqv=offload_kqv,
                                          kv_unified=kv_unified, swa_full=swa_full)
         p.headinfer_gpu_heads_frac = frac
+        if n_ctx > max(model.n_ctx_train, _HUGE_N_CTX):
+            _check_kv_fits_the_machine(model, ffi, lib, n_ctx=n_ctx, n_seq_max=n_seq_max, type_k=str(type_k).lower(),
+                                       type_v=str(type_v).lower())
         with bindings.capture_log() as log:
             ptr = lib.llama_init_from_model(mptr, p)
         if ptr == ffi.NULL:
@@ -142,6 +184,7 @@ class Context:
         self.headinfer_gpu_heads_frac = frac
         self._mem = lib.llama_get_memory(ptr)
         self.n_ctx = int(lib.llama_n_ctx(ptr))
+        self.n_ctx_requested = n_ctx  # 0 = the model's training context
         self.n_ctx_seq = int(lib.llama_n_ctx_seq(ptr))
         self.n_batch = int(lib.llama_n_batch(ptr))
         self.n_ubatch = int(lib.llama_n_ubatch(ptr))
@@ -178,6 +221,15 @@ class Context:
                                                   else "llama.cpp gave no reason")
         warnings.warn(f"headinfer_gpu_heads_frac = {frac:g} is ignored: no KV layer was split ({why}); "
                       "the whole KV cache stays in the layers' buffers", HeadInferWarning, stacklevel=3)
+
+    def _describe_n_ctx(self) -> str:
+        """n_ctx for messages, with why it is not what was asked for."""
+        text = f"n_ctx={self.n_ctx}"
+        if self.n_ctx != self.n_ctx_requested and self.n_ctx_requested:
+            text += f": llama.cpp rounds the requested {self.n_ctx_requested} up to a multiple of its padding"
+        if self.n_ctx_seq != self.n_ctx:
+            text += f"; {self.n_ctx_seq} per sequence"
+        return text
 
     def _frac_for_budget(self, model: Model, budget, frac: float, **params) -> float:
         """The fraction for ``headinfer_vram_budget`` (see ``pyllama_headinfer.plan.plan_for_context``)."""
@@ -286,9 +338,8 @@ class Context:
             raise ValueError("decode() needs at least one token")
         pos0 = self.n_tokens(seq_id)
         if pos0 + n > self.n_ctx_seq:
-            raise ContextOverflowError(
-                f"{n} tokens at position {pos0} do not fit into the context (n_ctx={self.n_ctx}"
-                + (f", {self.n_ctx_seq} per sequence" if self.n_ctx_seq != self.n_ctx else "") + ")")
+            raise ContextOverflowError(f"{n} tokens at position {pos0} do not fit into the context "
+                                       f"({self._describe_n_ctx()})")
         ffi, lib, batch = self._ffi, self._lib, self._batch
         self._out_mode, self._out_n, self._all_logits = None, 0, None
         chunks = range(0, n, self.n_batch)
@@ -356,10 +407,8 @@ class Context:
                 raise ValueError(f"decode_batch(): no tokens for sequence {seq_id}")
             pos0 = self.n_tokens(seq_id)
             if pos0 + len(arr) > self.n_ctx_seq:
-                raise ContextOverflowError(
-                    f"{len(arr)} tokens at position {pos0} of sequence {seq_id} do not fit into the context "
-                    f"(n_ctx={self.n_ctx}" + (f", {self.n_ctx_seq} per sequence" if self.n_ctx_seq != self.n_ctx
-                                             else "") + ")")
+                raise ContextOverflowError(f"{len(arr)} tokens at position {pos0} of sequence {seq_id} do not "
+                                           f"fit into the context ({self._describe_n_ctx()})")
             plan.append((seq_id, arr, pos0))
             total += len(arr)
         if total > self._batch_cap:
@@ -626,7 +675,7 @@ class Context:
         ptr, ffi = self._ptr(), self._ffi
         arr = self.model.check_tokens(tokens)
         toks = ffi.from_buffer("llama_token[]", arr) if arr.size else ffi.NULL
-        with atomic_output_path(path) as tmp, bindings.capture_log() as log:
+        with _state_file(path, "the state") as tmp, bindings.capture_log() as log:
             ok = self._lib.llama_state_save_file(ptr, os.fsencode(tmp), toks, len(arr))
             if not ok:
                 raise StateError(f"could not save the state to {path}: {_log_tail(log) or 'no reason given'}")
@@ -657,7 +706,7 @@ class Context:
         seq_id = self._check_seq(seq_id)
         arr = self.model.check_tokens(tokens)
         toks = ffi.from_buffer("llama_token[]", arr) if arr.size else ffi.NULL
-        with atomic_output_path(path) as tmp, bindings.capture_log() as log:
+        with _state_file(path, f"sequence {seq_id}") as tmp, bindings.capture_log() as log:
             n = int(self._lib.llama_state_seq_save_file(ptr, os.fsencode(tmp), seq_id, toks, len(arr)))
             if n == 0:
                 raise StateError(f"could not save sequence {seq_id} to {path}: {_log_tail(log) or 'no reason given'}")

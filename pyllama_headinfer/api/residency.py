@@ -16,7 +16,7 @@ def read_kv_residency(ptr, ffi, lib) -> dict | None:
     (see there for its shape)."""
     if not lib.pyllama_has_kv_residency():
         raise HeadInferError("this libllama has no llama_kv_residency_buffers (built without the "
-                             "HeadInfer patch series?); " + bindings.REBUILD_HINT)
+                             "HeadInfer patch series?); " + bindings.rebuild_hint())
     n = int(lib.llama_kv_residency_buffers(ptr, ffi.NULL, 0))
     if n < 0:
         return None
