@@ -126,6 +126,24 @@ def archive_url() -> str:
 # fetching
 
 
+def _short_reason(exc: BaseException) -> str:
+    """One short line for a failed download (requests nests urllib3's long repr of the connection)."""
+    import requests
+
+    if isinstance(exc, requests.ConnectionError):
+        text = str(exc)
+        for marker, reason in (("NameResolutionError", "the host name does not resolve (no network?)"),
+                               ("Name or service not known", "the host name does not resolve (no network?)"),
+                               ("Connection refused", "connection refused"),
+                               ("timed out", "the connection timed out")):
+            if marker in text:
+                return f"{reason} ({exc.request.url if exc.request is not None else 'no URL'})"
+        return "cannot connect" + (f" to {exc.request.url}" if exc.request is not None else "")
+    if isinstance(exc, requests.Timeout):
+        return "the download timed out"
+    return str(exc).splitlines()[0][:200]
+
+
 def _download_github_archive(downloads: Path) -> Tuple[Path, str]:
     target = downloads / f"llama.cpp-{pin.LLAMA_CPP_COMMIT}.tar.gz"
     if target.is_file():
@@ -146,7 +164,7 @@ def _download_github_archive(downloads: Path) -> Tuple[Path, str]:
                 handle.write(chunk)
     except requests.RequestException as exc:
         partial.unlink(missing_ok=True)
-        raise SourceError(f"download failed: {exc}") from exc
+        raise SourceError(f"download failed: {_short_reason(exc)}") from exc
     except BaseException:
         partial.unlink(missing_ok=True)
         raise

@@ -418,3 +418,13 @@ def test_project_paths(monkeypatch, tmp_path):
     assert paths.patches_dir() == root / "patches"
     monkeypatch.setenv(paths.PATCHES_ENV, str(tmp_path))
     assert paths.patches_dir() == tmp_path
+
+
+def test_an_unreachable_archive_host_is_one_short_line(isolated_cache, monkeypatch, tmp_path):
+    """Before the PyPI fallback, an unreachable GitHub used to log a long NameResolutionError repr (16.8)."""
+    monkeypatch.setenv(source.ARCHIVE_URL_ENV, "https://host.invalid/llama.cpp.tar.gz")  # RFC 6761: never resolves
+    with pytest.raises(SourceError) as err:
+        source._download_github_archive(tmp_path)
+    message = str(err.value)
+    assert "host.invalid" in message and "\n" not in message and len(message) < 200, message
+    assert "NameResolutionError" not in message and "object at 0x" not in message, message
