@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import logging
 import sys
+import warnings
 from typing import List, NamedTuple, Optional, Sequence
 
 from . import __version__, pin
@@ -39,6 +40,7 @@ SUBCOMMANDS: Sequence[Subcommand] = (
     Subcommand("generate", "pyllama_headinfer.generate_cli", "generate text with HeadInfer"),
     Subcommand("plan", "pyllama_headinfer.plan_cli", "choose the head fraction from a VRAM budget (no weights loaded)"),
     Subcommand("bench", "pyllama_headinfer.bench_cli", "measure speed and KV memory over frac x depth x KV type"),
+    Subcommand("serve", "pyllama_headinfer.serve_cli", "run the patched llama-server (OpenAI API) with HeadInfer"),
 )
 
 
@@ -84,9 +86,16 @@ def _cli_logging(verbose: bool):
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)
     logger.propagate = False  # no second copy through handlers of the root logger
+    shown = warnings.showwarning
+
+    def show_warning(message, category, filename, lineno, file=None, line=None):  # one line, no source location
+        print(f"warning: {message}", file=sys.stderr)
+
+    warnings.showwarning = show_warning
     try:
         yield
     finally:
+        warnings.showwarning = shown
         logger.removeHandler(handler)
         logger.level, logger.propagate = saved
 

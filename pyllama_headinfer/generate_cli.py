@@ -18,6 +18,9 @@ import sys
 import time
 
 
+log = logging.getLogger(__name__)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", required=True, help="GGUF model file")
     parser.add_argument("--prompt", "-p", required=True, help="prompt text")
@@ -40,8 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=float, default=0.05, help="min-p (default 0.05, 0 = off)")
     parser.add_argument("--no-flash-attn", dest="flash_attn", action="store_false",
                         help="disable flash attention (HeadInfer needs it to split a layer)")
-    parser.add_argument("--cache-type-k", default="f16", help="K cache type (default f16)")
-    parser.add_argument("--cache-type-v", default="f16", help="V cache type (default f16)")
+    parser.add_argument("--cache-type-k", default=None,
+                        help="K cache type (default f16; with --vram-budget: the fastest option that fits)")
+    parser.add_argument("--cache-type-v", default=None,
+                        help="V cache type (default f16; with --vram-budget: the fastest option that fits)")
+    parser.add_argument("--allow-quantized-kv", action="store_true",
+                        help="with --vram-budget: also consider q8_0/q4_0 caches (faster, but not exact); "
+                             "default: the fastest exact option")
     parser.add_argument("--no-stream", dest="stream", action="store_false",
                         help="print the text once at the end instead of token by token")
 
@@ -52,6 +60,25 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, IsADirectoryError, ValueError) as exc:  # bad model path, bad --frac, ...
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def _kv_type_for_budget(args: argparse.Namespace) -> str:
+    """The KV type of the fastest option that fits --vram-budget: exact (f16) unless
+    --allow-quantized-kv; says what it picked and what the fastest overall would be."""
+    from .plan_speed import rank_options
+
+    ranking = rank_options(args.model, args.ctx, args.vram_budget, n_gpu_layers=args.ngl, n_batch=args.batch,
+                           n_ubatch=args.batch, flash_attn=args.flash_attn)
+    best, exact = ranking.fastest, ranking.fastest_exact
+    pick = best if args.allow_quantized_kv else exact
+    if pick is None:
+        return "f16"  # nothing fits: the context's own plan says so, with what would fit
+    log.info("--vram-budget: %s cache, frac %.6g (%.1f tok/s predicted at a full context)%s", pick.type_k,
+             pick.frac, pick.predicted_decode_tok_s,
+             "" if best is None or best is pick else
+             f"; fastest overall: {best.type_k} cache, frac {best.frac:.6g} ({best.predicted_decode_tok_s:.1f} tok/s"
+             f" predicted, not exact: --allow-quantized-kv)")
+    return pick.type_k
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -65,6 +92,10 @@ def _run(args: argparse.Namespace) -> int:
         parse_size(args.vram_budget)
         if args.frac != 1.0:
             raise ValueError("give --frac or --vram-budget, not both")
+        if args.cache_type_k is None and args.cache_type_v is None:
+            args.cache_type_k = args.cache_type_v = _kv_type_for_budget(args)
+    args.cache_type_k = args.cache_type_k or "f16"
+    args.cache_type_v = args.cache_type_v or "f16"
 
     if not getattr(args, "verbose", False):
         # llama.cpp is chatty at INFO; the CLI shows its warnings and errors only.
