@@ -190,6 +190,14 @@ class Model:
         self._ptr()
         return int(self._lib.llama_vocab_eos(self._vocab))
 
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, template: str | None = None) -> str:
+        """The prompt for ``messages`` (``[{"role": "user", "content": "..."}, ...]``) in this
+        model's chat format, by llama.cpp's ``llama_chat_apply_template``; ``template``: a
+        known name ("chatml", "llama3", ...) or template text for models without one."""
+        from .chat import apply_chat_template
+
+        return apply_chat_template(self, messages, add_generation_prompt, template)
+
     def is_eog(self, token: int) -> bool:
         self._ptr()
         return bool(self._lib.llama_vocab_is_eog(self._vocab, int(token)))
