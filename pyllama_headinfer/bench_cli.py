@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vram-budget", default=None,
                         help="instead of --fracs: derive the fraction from this GPU memory budget at every depth")
     parser.add_argument("--depths", default="0,4096", help="comma-separated context depths (default 0,4096)")
-    parser.add_argument("--types", default="f16",
+    parser.add_argument("--types", "--kv-types", dest="types", default="f16",
                         help="comma-separated KV types, K:V for different ones, e.g. f16,q8_0,q8_0:f16 (default f16)")
     parser.add_argument("-n", "--n-gen", type=int, default=32, help="decoded tokens per measurement (default 32)")
     parser.add_argument("--repeat", "-r", type=int, default=1, help="measurements per point, averaged (default 1)")
@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, default=None,
                         help="plot file (default bench-<model>.png; needs matplotlib)")
     parser.add_argument("--no-plot", action="store_true", help="do not plot")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="fit the decode-speed constants of `plan` to this sweep and store them for this "
+                             "device (sweep frac 1 at two or more depths per KV type, and a split point)")
 
 
 def _list(text: str, convert, what: str) -> list:
@@ -94,6 +97,44 @@ def format_table(results) -> str:
     return "\n".join(lines)
 
 
+def format_equal_vram_table(results) -> str:
+    """The same points ordered by device KV, with exactness: what a byte of GPU memory buys."""
+    from .plan_speed import exact
+
+    ok = [r for r in results if r.error is None]
+    if not ok:
+        return ""
+    lines = []
+    for depth in sorted({r.point.depth for r in ok}):
+        rs = [r for r in ok if r.point.depth == depth]
+        ref = next((r.device_kv_bytes + r.host_kv_bytes for r in rs
+                    if r.point.kv == "f16" and r.n_layers_split == 0), None)
+        lines.append(f"at depth {depth}, by device KV" + ("" if ref else " (no f16 frac-1 point to compare with)") + ":")
+        lines.append(f"  {'KV':>10} {'frac':>6} {'device KV MiB':>14} {'vs f16 whole':>12} {'exact':>5} "
+                     f"{'decode tok/s':>12}")
+        for r in sorted(rs, key=lambda r: (r.device_kv_bytes, -r.decode_tps)):
+            ratio = f"{r.device_kv_bytes / ref:.2f}x" if ref else "-"
+            lines.append(f"  {r.point.kv:>10} {r.frac:>6.3g} {r.device_kv_bytes / MIB:>14.1f} {ratio:>12} "
+                         f"{'yes' if exact(r.point.type_k, r.point.type_v) else 'no':>5} {r.decode_tps:>12.2f}")
+    return "\n".join(lines)
+
+
+def calibration_points(results, weights_bytes: int) -> list[dict]:
+    """bench results as the points :func:`plan_speed.calibrate` fits (KV bytes per token of context
+    from the allocation and its size in cells)."""
+    points = []
+    for r in results:
+        if r.error is not None:
+            continue
+        total = r.device_kv_bytes + r.host_kv_bytes
+        n_ctx = r.n_ctx_cells or r.point.depth + 1
+        points.append(dict(type_k=r.point.type_k, type_v=r.point.type_v, frac=r.frac, depth=r.point.depth,
+                           decode_tok_s=r.decode_tps, weights_bytes=weights_bytes,
+                           kv_bytes_per_token=total / n_ctx, host_kv_bytes_per_token=r.host_kv_bytes / n_ctx,
+                           n_split_layers=r.n_layers_split))
+    return points
+
+
 def save_plot(results, path: Path, title: str) -> bool:
     """Decode tok/s and device KV MiB against the fraction, one line per (depth, KV type).
     False when matplotlib is not installed."""
@@ -133,6 +174,19 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
+def _calibrate(args: argparse.Namespace, results) -> None:
+    from .api.devices import list_devices
+    from .plan import plan_kv
+    from .plan_speed import calibrate, save_calibration
+
+    gpus = [d for d in list_devices() if d.type != "cpu"]
+    device = gpus[0].description if gpus else "CPU"
+    weights = plan_kv(args.model, 4096, n_gpu_layers=args.ngl).weights.device_alloc
+    constants = calibrate(calibration_points(results, weights), device)
+    path = save_calibration(constants)
+    log.info("speed constants of %s stored in %s (plan and --vram-budget use them)", device, path)
+
+
 def _run(args: argparse.Namespace) -> int:
     from .api.context import check_headinfer_frac
     from .bench import run_sweep, sweep_points
@@ -165,6 +219,11 @@ def _run(args: argparse.Namespace) -> int:
                                                               r.frac, r.decode_tps))
         title = f"{model.path.name}: {model.description}"
     print(format_table(results))
+    if len(kv_types) > 1 or len(fracs) > 1:
+        print()
+        print(format_equal_vram_table(results))
+    if args.calibrate:
+        _calibrate(args, results)
     for r in results:
         if r.error is not None:
             print(f"not measured: depth {r.point.depth}, KV {r.point.kv}, frac {r.frac:g}: {r.error}", file=sys.stderr)
