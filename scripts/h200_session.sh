@@ -69,6 +69,8 @@ EOF
     lb f16_128k -ctk f16 -ctv f16 -hgf 1,0.5 -d 131072 -p 0 -n 16 -r 1 -ub 2048
     lb q8_0_128k -ctk q8_0 -ctv q8_0 -hgf 1 -d 131072 -p 0 -n 16 -r 1 -ub 2048
     python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
+    python3 scripts/shared_prefix_bench.py --model "$model" --depth 32768 --n 1,2,4,8 --fracs 1,0.5 --ngl 99 \
+        > "$out/shared_prefix.md" 2>> "$out/bench.err"
     tar czf "$out/bench_json.tgz" -C "$out" json && rm -rf "$out/json"
     ;;
 esac
