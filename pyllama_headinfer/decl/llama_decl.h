@@ -305,3 +305,12 @@ size_t llama_state_seq_save_file(struct llama_context * ctx, const char * filepa
                                  const llama_token * tokens, size_t n_token_count);
 size_t llama_state_seq_load_file(struct llama_context * ctx, const char * filepath, llama_seq_id dest_seq_id,
                                  llama_token * tokens_out, size_t n_token_capacity, size_t * n_token_count_out);
+/* sequence state with flags (the tests check LLAMA_STATE_SEQ_FLAGS_ON_DEVICE of split layers) */
+#define LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY ...
+#define LLAMA_STATE_SEQ_FLAGS_ON_DEVICE ...
+typedef uint32_t llama_state_seq_flags;
+size_t llama_state_seq_get_size_ext(struct llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags);
+size_t llama_state_seq_get_data_ext(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id,
+                                    llama_state_seq_flags flags);
+size_t llama_state_seq_set_data_ext(struct llama_context * ctx, const uint8_t * src, size_t size,
+                                    llama_seq_id dest_seq_id, llama_state_seq_flags flags);
