@@ -172,7 +172,7 @@ typedef struct llama_sampler_chain_params {
 } llama_sampler_chain_params;
 
 /* HeadInfer KV residency (patch series) */
-struct llama_kv_residency_buffer {
+struct llama_memory_kv_buffer {
     const char * buft_name;
     bool         headinfer_host;
     uint64_t     k_bytes;
@@ -180,7 +180,7 @@ struct llama_kv_residency_buffer {
     ...;
 };
 
-struct llama_kv_residency_layer {
+struct llama_memory_kv_layer {
     int32_t il;
     int32_t n_head_kv;
     int32_t n_head_resident;
@@ -287,8 +287,8 @@ llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
 bool llama_memory_can_shift(llama_memory_t mem);
 
 /* HeadInfer KV residency (patch series; resolved weakly, see pyllama_has_kv_residency) */
-int32_t llama_kv_residency_buffers(const struct llama_context * ctx, struct llama_kv_residency_buffer * out, int32_t n_max);
-int32_t llama_kv_residency_layers(const struct llama_context * ctx, struct llama_kv_residency_layer * out, int32_t n_max);
+int32_t llama_memory_get_kv_buffers(llama_memory_t mem, struct llama_memory_kv_buffer * out, int32_t n_max);
+int32_t llama_memory_get_kv_layers(llama_memory_t mem, struct llama_memory_kv_layer * out, int32_t n_max);
 
 /* state */
 size_t llama_state_get_size(struct llama_context * ctx);
