@@ -44,7 +44,7 @@ DECL_FILES = ("llama_decl.h", "pyllama_shim.h")
 # The HeadInfer additions are referenced weakly so that an extension compiled
 # against the patched header still *loads* with a libllama that does not have
 # them yet (bindings then reports "no residency" instead of failing to import).
-WEAK_FUNCTIONS = ("llama_kv_residency_buffers", "llama_kv_residency_layers")
+WEAK_FUNCTIONS = ("llama_memory_get_kv_buffers", "llama_memory_get_kv_layers")
 
 SHIM_SOURCE = r"""
 #include <stddef.h>
@@ -72,12 +72,12 @@ size_t pyllama_sizeof_context_params(void) {{ return sizeof(struct llama_context
 RESIDENCY_STUBS = r"""
 /* llama.h has no HeadInfer residency API: stand-ins, never called
    (pyllama_has_kv_residency() returns 0). */
-struct llama_kv_residency_buffer { const char * buft_name; bool headinfer_host; uint64_t k_bytes; uint64_t v_bytes; };
-struct llama_kv_residency_layer { int32_t il; int32_t n_head_kv; int32_t n_head_resident; bool is_swa; };
-static int32_t llama_kv_residency_buffers(const struct llama_context * ctx, struct llama_kv_residency_buffer * out,
-                                          int32_t n_max) { (void) ctx; (void) out; (void) n_max; return -1; }
-static int32_t llama_kv_residency_layers(const struct llama_context * ctx, struct llama_kv_residency_layer * out,
-                                         int32_t n_max) { (void) ctx; (void) out; (void) n_max; return -1; }
+struct llama_memory_kv_buffer { const char * buft_name; bool headinfer_host; uint64_t k_bytes; uint64_t v_bytes; };
+struct llama_memory_kv_layer { int32_t il; int32_t n_head_kv; int32_t n_head_resident; bool is_swa; };
+static int32_t llama_memory_get_kv_buffers(llama_memory_t mem, struct llama_memory_kv_buffer * out,
+                                           int32_t n_max) { (void) mem; (void) out; (void) n_max; return -1; }
+static int32_t llama_memory_get_kv_layers(llama_memory_t mem, struct llama_memory_kv_layer * out,
+                                          int32_t n_max) { (void) mem; (void) out; (void) n_max; return -1; }
 """
 
 
@@ -88,7 +88,7 @@ def header_has_residency(include_dirs) -> bool:
     for d in include_dirs:
         header = Path(d) / "llama.h"
         if header.is_file():
-            return re.search(r"\bllama_kv_residency_buffers\s*\(", header.read_text(errors="replace")) is not None
+            return re.search(r"\bllama_memory_get_kv_buffers\s*\(", header.read_text(errors="replace")) is not None
     return False
 
 

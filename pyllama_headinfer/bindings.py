@@ -323,7 +323,7 @@ def loaded_from() -> Path | None:
 
 
 def has_kv_residency() -> bool:
-    """True when libllama exports ``llama_kv_residency_buffers``/``_layers``."""
+    """True when libllama exports ``llama_memory_get_kv_buffers``/``_layers``."""
     _, lib = load()
     return bool(lib.pyllama_has_kv_residency())
 

@@ -162,5 +162,5 @@ def _run(args: argparse.Namespace) -> int:
         if bindings.has_kv_residency():
             print(format_kv_residency(ctx.kv_residency()), file=err)
         else:
-            print("KV residency: not available (this libllama has no llama_kv_residency_buffers)", file=err)
+            print("KV residency: not available (this libllama has no llama_memory_get_kv_buffers)", file=err)
     return 0

@@ -313,5 +313,5 @@ def residency_llama(llama):
     from pyllama_headinfer import bindings
 
     if not bindings.has_kv_residency():
-        pytest.skip("libllama lacks llama_kv_residency_buffers: the HeadInfer C++ side is not built")
+        pytest.skip("libllama lacks llama_memory_get_kv_buffers: the HeadInfer C++ side is not built")
     return llama

@@ -490,7 +490,7 @@ def test_gc_frees_without_close(llama, gguf_models):
 
 def test_kv_residency_unsplit(llama, model, ctx):
     if not bindings.has_kv_residency():
-        pytest.skip("libllama lacks llama_kv_residency_buffers (HeadInfer C++ not built yet)")
+        pytest.skip("libllama lacks llama_memory_get_kv_buffers (HeadInfer C++ not built yet)")
     report = ctx.kv_residency()
     assert set(report) == {"buffers", "layers"}
     assert report["buffers"], "no KV buffers reported"

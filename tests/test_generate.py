@@ -5,7 +5,7 @@ that the split was really active.  Plus the ``generate`` CLI.
 
 CPU-only builds split layers only with ``LLAMA_HEADINFER_FORCE_SPLIT=1`` (read
 when the KV cache is built), which these tests set.  They skip, with the
-reason, while libllama lacks ``llama_kv_residency_buffers``.
+reason, while libllama lacks ``llama_memory_get_kv_buffers``.
 """
 
 from __future__ import annotations
