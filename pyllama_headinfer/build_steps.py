@@ -174,7 +174,7 @@ def _compile(d: Path, ninja: tc.Tool, targets: List[str], jobs: Optional[int], l
     if rc != 0:
         raise _fail("Compiling llama.cpp", rc, log_path, say,
                     "Run build again after fixing the cause; finished objects are kept. ")
-    return steps["n"], steps["no_work"]
+    return steps["n"], steps["no_work"] or (steps["n"] == 0 and steps.get("always", 0) > 0)
 
 
 class _Tee:
@@ -184,10 +184,17 @@ class _Tee:
         self.log = log
         self.counters = counters
 
+    # llama-server's web UI step runs at every build (an always-out-of-date custom command):
+    # it is not a change, so a build with only that step is still "up to date"
+    ALWAYS_RUN = ("Provisioning UI assets",)
+
     def write(self, line: str) -> None:
         self.log.write(line)
         if line.startswith("[") and re.match(r"^\[\d+/\d+\]", line):
-            self.counters["n"] += 1
+            if any(what in line for what in self.ALWAYS_RUN):
+                self.counters["always"] = self.counters.get("always", 0) + 1
+            else:
+                self.counters["n"] += 1
         elif line.startswith("ninja: no work to do"):
             self.counters["no_work"] = True
 
