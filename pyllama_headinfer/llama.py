@@ -37,15 +37,14 @@ while the code lives in :mod:`pyllama_headinfer.api`, one job per module:
 
 from __future__ import annotations
 
-from .api.context import KV_CACHE_TYPES, Context, check_headinfer_frac, logger
-from .api.devices import DeviceInfo, list_devices, rpc_add_server, rpc_serve
-from .api.exceptions import (ClosedError, ContextError, ContextOverflowError, DecodeError, ModelError,
-                             StateError, TokenError)
-from .api.gguf_check import check_gguf
-from .api.model import Model
-from .api.residency import HEADINFER_HOST_SUFFIX, format_kv_residency
-from .api.sampler import Sampler
-from .errors import HeadInferError
+from pyllama_headinfer.api.context import KV_CACHE_TYPES, Context, check_headinfer_frac, logger
+from pyllama_headinfer.api.devices import DeviceInfo, list_devices, rpc_add_server, rpc_serve
+from pyllama_headinfer.api.exceptions import ClosedError, ContextError, ContextOverflowError, DecodeError, ModelError, StateError, TokenError
+from pyllama_headinfer.api.gguf_check import check_gguf
+from pyllama_headinfer.api.model import Model
+from pyllama_headinfer.api.residency import HEADINFER_HOST_SUFFIX, format_kv_residency
+from pyllama_headinfer.api.sampler import Sampler
+from pyllama_headinfer.errors import HeadInferError
 
 __all__ = [
     # the objects

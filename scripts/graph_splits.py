@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyllama_headinfer import bindings  # noqa: E402
-from pyllama_headinfer.llama import Context, Model  # noqa: E402
+from pyllama_headinfer.runtime import bindings
+from pyllama_headinfer.llama import Context, Model
 
 SPLITS_RE = re.compile(r"graph.*: nodes = (\d+)(?: / (\d+))?, splits = (\d+)(?: / (\d+))?")
 

@@ -31,9 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyllama_headinfer import bindings  # noqa: E402
-from pyllama_headinfer.llama import Context, Model  # noqa: E402
-from pyllama_headinfer.plan import plan_kv  # noqa: E402
+from pyllama_headinfer.runtime import bindings
+from pyllama_headinfer.llama import Context, Model
+from pyllama_headinfer.vram.plan import plan_kv
 
 MIB = 1 << 20
 

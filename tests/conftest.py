@@ -30,8 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout that is not installed
     sys.path.insert(0, str(ROOT))
 
-from pyllama_headinfer import paths, pin, source  # noqa: E402
-from pyllama_headinfer.pin import PinnedFile  # noqa: E402
+from pyllama_headinfer import paths, pin
+from pyllama_headinfer.source import fetch as source
+from pyllama_headinfer.pin import PinnedFile
 
 # Captured before any test redirects the environment.
 REAL_CACHE = paths.cache_dir()
@@ -69,7 +70,7 @@ def pinned_source(tmp_path_factory) -> Path:
         tree = source.ensure_source()
         if not source.verify_tree(tree).ok:
             # acceptable but patched: the tests want the pristine pin
-            from pyllama_headinfer import patches
+            from pyllama_headinfer.patches import apply as patches
 
             tree = copy_tree(tree, tmp_path_factory.mktemp("pristine") / pin.SOURCE_DIRNAME)
             patches.revert(tree)
@@ -263,7 +264,7 @@ def fake_pin(fake_pin_template, monkeypatch) -> FakePin:
 def gguf_models(request, tmp_path_factory) -> Dict[str, Path]:
     """Name -> path of the small synthetic GGUF models (llama-gqa, qwen2,
     gemma3-iswa), generated once and cached across runs in .pytest_cache."""
-    from pyllama_headinfer import testing_models
+    import testing_models
 
     cache = getattr(request.config, "cache", None)
     directory = Path(cache.mkdir("pyllama-headinfer-test-models")) if cache is not None \
@@ -280,7 +281,7 @@ def built():
     """(ffi, lib) of the built bindings. Skips when nothing is built -- except
     in CI, where the main command built it: there a missing or unloadable build
     must fail the run, not quietly skip half of the suite."""
-    from pyllama_headinfer import bindings
+    from pyllama_headinfer.runtime import bindings
 
     try:
         return bindings.load()
@@ -310,7 +311,7 @@ def models(llama, gguf_models):
 @pytest.fixture(scope="module")
 def residency_llama(llama):
     """:func:`llama`, for tests that read the KV residency report."""
-    from pyllama_headinfer import bindings
+    from pyllama_headinfer.runtime import bindings
 
     if not bindings.has_kv_residency():
         pytest.skip("libllama lacks llama_kv_residency_buffers: the HeadInfer C++ side is not built")

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from pyllama_headinfer import bindings
-from pyllama_headinfer.testing_models import CORPUS
+from pyllama_headinfer.runtime import bindings
+from testing_models import CORPUS
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from pyllama_headinfer import bench, bench_cli, cli
+from pyllama_headinfer.api import bench
+from pyllama_headinfer.cli import bench as bench_cli, main as cli
 
 FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 

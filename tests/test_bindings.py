@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_headinfer import _cffi_build, bindings
+from pyllama_headinfer.build import extension as _cffi_build
+from pyllama_headinfer.runtime import bindings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,7 +108,8 @@ def test_compile_extension_roundtrip(tmp_path, build_info):
 def test_stamp_matches_checkout(built):
     ffi, lib = built
     assert bindings.check_stamp(ffi, lib) == _cffi_build.current_stamp()
-    from pyllama_headinfer import patches, pin
+    from pyllama_headinfer.patches import apply as patches
+    from pyllama_headinfer import pin
 
     assert _cffi_build.current_stamp() == f"{pin.LLAMA_CPP_COMMIT}+{patches.series_hash()}"
 
@@ -193,7 +195,7 @@ def test_no_stderr_by_default(built, gguf_models):
 def test_log_errors_reach_exceptions(built, tmp_path):
     """An error llama.cpp logs while failing ends up in the exception message."""
     from pyllama_headinfer.llama import Model, ModelError
-    from pyllama_headinfer import testing_models as tm
+    import testing_models as tm
 
     # a valid GGUF with a missing tensor: passes the pre-flight check, llama.cpp rejects it
     import gguf

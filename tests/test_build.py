@@ -21,11 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_headinfer import build as B
-from pyllama_headinfer import cmake as tc
-from pyllama_headinfer import cli, paths, patches, pin
+from pyllama_headinfer.build import build as B
+from pyllama_headinfer.build import toolchain as tc
+from pyllama_headinfer.cli import main as cli
+from pyllama_headinfer import paths, pin
+from pyllama_headinfer.patches import apply as patches
 from pyllama_headinfer.errors import BuildError
-from pyllama_headinfer.progress import Progress, classify_failure, parse_progress
+from pyllama_headinfer.build.progress import Progress, classify_failure, parse_progress
 
 # Captured at import (collection), before the autouse fixture isolates the
 # cache: the real build uses the real cached source tree.

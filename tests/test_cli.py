@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, snapshot
-from pyllama_headinfer import cli, source
+from pyllama_headinfer.cli import main as cli
+from pyllama_headinfer.source import fetch as source
 
 pytestmark = pytest.mark.usefixtures("isolated_cache")
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyllama_headinfer import bindings
-from pyllama_headinfer.testing_models import CORPUS, SPECS, SPLIT_TEST_MODELS
+from pyllama_headinfer.runtime import bindings
+from testing_models import CORPUS, SPECS, SPLIT_TEST_MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
@@ -268,7 +268,7 @@ def test_no_split_without_flash_attention(llama, models, residency_llama, force_
 
 
 def _cli(*args: str) -> int:
-    from pyllama_headinfer import cli
+    from pyllama_headinfer.cli import main as cli
 
     return cli.main(["generate", *args])
 

@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyllama_headinfer import bindings
-from pyllama_headinfer.testing_models import CORPUS, EXTRA_SPECS, SPECS, ensure_extra_models
+from pyllama_headinfer.runtime import bindings
+from testing_models import CORPUS, EXTRA_SPECS, SPECS, ensure_extra_models
 
 ROOT = Path(__file__).resolve().parents[1]
 FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
@@ -721,7 +721,7 @@ def test_quantized_kv_qwen2(llama, models, frac):
 _ROT_SCRIPT = textwrap.dedent("""
     import hashlib, json, os, sys
     from pyllama_headinfer import llama, bindings
-    from pyllama_headinfer.testing_models import CORPUS
+    from testing_models import CORPUS
     path, type_k = sys.argv[1], sys.argv[2]
     out = {}
     with llama.Model(path) as model:

@@ -64,7 +64,7 @@ def test_row_split_over_rpc_is_refused_cleanly(rpc_build):
 
 
 def test_rpc_without_the_rpc_backend_is_an_error(llama):
-    from pyllama_headinfer import bindings
+    from pyllama_headinfer.runtime import bindings
 
     ffi, lib = bindings.load()
     if lib.ggml_backend_reg_by_name(b"RPC") != ffi.NULL:

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from conftest import git, snapshot
-from pyllama_headinfer import patches, paths, source
+from pyllama_headinfer.patches import apply as patches
+from pyllama_headinfer import paths
+from pyllama_headinfer.source import fetch as source
 from pyllama_headinfer.errors import PatchError
-from pyllama_headinfer.patches import Outcome, State
+from pyllama_headinfer.patches.apply import Outcome, State
 
 pytestmark = pytest.mark.usefixtures("isolated_cache")
 

@@ -43,8 +43,8 @@ import math
 import numpy as np
 import pytest
 
-from pyllama_headinfer import plan
-from pyllama_headinfer.testing_models import SPECS, ensure_extra_models
+from pyllama_headinfer.vram import plan
+from testing_models import SPECS, ensure_extra_models
 
 FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 
@@ -63,7 +63,7 @@ def all_models(gguf_models, extra_models):
 
 
 def main(*args) -> int:
-    from pyllama_headinfer import cli
+    from pyllama_headinfer.cli import main as cli
 
     return cli.main(["plan", *map(str, args)])
 
@@ -474,7 +474,7 @@ def test_context_vram_budget_without_gpu_or_force(residency_llama, opened, monke
 
 
 def test_generate_vram_budget(residency_llama, all_models, force_split, capsys):
-    from pyllama_headinfer import cli
+    from pyllama_headinfer.cli import main as cli
 
     budget = _budget_for_g1(all_models["llama-gqa"], 256, n_batch=512, n_ubatch=512)
     args = ["generate", "-m", str(all_models["llama-gqa"]), "-p", "Once upon a time", "-n", "3", "--ctx", "256",

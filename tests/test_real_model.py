@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_headinfer import bindings, paths
+from pyllama_headinfer.runtime import bindings
+from pyllama_headinfer import paths
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,9 @@ from typing import List
 import pytest
 
 from conftest import git, snapshot
-from pyllama_headinfer import patches, paths, pin, source, tree_verify
+from pyllama_headinfer.patches import apply as patches
+from pyllama_headinfer import paths, pin
+from pyllama_headinfer.source import fetch as source, tree_verify
 from pyllama_headinfer.errors import SourceError
 
 pytestmark = pytest.mark.usefixtures("isolated_cache")

@@ -15,12 +15,11 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .. import bindings
-from .exceptions import (ClosedError, ContextError, ContextOverflowError, DecodeError, StateError,
-                         _log_tail)
-from .model import Model
-from .residency import read_kv_residency
-from .sampler import Sampler
+from pyllama_headinfer.runtime import bindings
+from pyllama_headinfer.api.exceptions import ClosedError, ContextError, ContextOverflowError, DecodeError, StateError, _log_tail
+from pyllama_headinfer.api.model import Model
+from pyllama_headinfer.api.residency import read_kv_residency
+from pyllama_headinfer.api.sampler import Sampler
 
 # The API's logger keeps the name of the public module (documented, and what
 # bindings routes llama.cpp's own log to).
@@ -135,7 +134,7 @@ class Context:
 
     def _frac_for_budget(self, model: Model, budget, frac: float, **params) -> float:
         """The fraction for ``headinfer_vram_budget`` (see ``pyllama_headinfer.plan.plan_for_context``)."""
-        from ..plan import format_bytes, plan_for_context
+        from pyllama_headinfer.vram.plan import format_bytes, plan_for_context
 
         if frac != 1.0:
             raise ValueError(f"give headinfer_gpu_heads_frac ({frac}) or headinfer_vram_budget ({budget!r}), not both")

@@ -19,8 +19,8 @@ from __future__ import annotations
 import socket
 from typing import NamedTuple, Sequence
 
-from .. import bindings
-from ..errors import HeadInferError
+from pyllama_headinfer.runtime import bindings
+from pyllama_headinfer.errors import HeadInferError
 
 
 class DeviceInfo(NamedTuple):

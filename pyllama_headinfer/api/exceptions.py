@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import HeadInferError
+from pyllama_headinfer.errors import HeadInferError
 
 try:  # the shared errors module may grow these; use its classes when it does
-    from ..errors import ModelError  # type: ignore[attr-defined]
+    from pyllama_headinfer.errors import ModelError
 except ImportError:
     class ModelError(HeadInferError):
         """A model file is not a loadable GGUF model."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from ..gguf_meta import read_gguf
+from pyllama_headinfer.vram.gguf import read_gguf
 
 
 def check_gguf(path: str | os.PathLike) -> dict:

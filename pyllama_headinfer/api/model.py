@@ -12,10 +12,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .. import bindings
-from ..errors import HeadInferError
-from .exceptions import ClosedError, ModelError, TokenError, _log_tail
-from .gguf_check import check_gguf
+from pyllama_headinfer.runtime import bindings
+from pyllama_headinfer.errors import HeadInferError
+from pyllama_headinfer.api.exceptions import ClosedError, ModelError, TokenError, _log_tail
+from pyllama_headinfer.api.gguf_check import check_gguf
 
 FLT_MAX = float(np.finfo(np.float32).max)  # the shares are C floats
 
@@ -89,7 +89,7 @@ class Model:
             keep.append(ffi.new("float[]", shares + [0.0] * (n_all - len(shares))))
             params.tensor_split = keep[-1]
         if devices is not None:
-            from .devices import device_handles
+            from pyllama_headinfer.api.devices import device_handles
 
             keep.append(device_handles(list(devices)))
             params.devices = keep[-1]

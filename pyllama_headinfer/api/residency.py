@@ -5,8 +5,8 @@ table; :data:`HEADINFER_HOST_SUFFIX` marks the host halves of split layers."""
 
 from __future__ import annotations
 
-from .. import bindings
-from ..errors import HeadInferError
+from pyllama_headinfer.runtime import bindings
+from pyllama_headinfer.errors import HeadInferError
 
 HEADINFER_HOST_SUFFIX = " (headinfer host)"
 

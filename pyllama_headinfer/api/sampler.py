@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from .. import bindings
-from ..errors import HeadInferError
-from .exceptions import ClosedError
+from pyllama_headinfer.runtime import bindings
+from pyllama_headinfer.errors import HeadInferError
+from pyllama_headinfer.api.exceptions import ClosedError
 
 if TYPE_CHECKING:  # Sampler.sample() takes a Context; context.py imports this module
-    from .context import Context
+    from pyllama_headinfer.api.context import Context
 
 
 class Sampler:

@@ -1,0 +1,135 @@
+"""``python -m pyllama_headinfer generate``: generate text with HeadInfer.
+
+    python -m pyllama_headinfer generate --model M.gguf --prompt "Once upon a time" -n 64 \\
+        [--frac 0.5 | --vram-budget 24GiB] [--ngl 99] [--ctx 4096] [--seed 42] [--temp 0.8]
+
+The generated text goes to stdout (streamed); the speed (prompt and
+generation tokens/s) and the KV residency report -- where llama.cpp allocated
+the KV cache, per buffer type, and how each layer's heads are split -- go to
+stderr, so the text can be piped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import logging
+import sys
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "-m", required=True, help="GGUF model file")
+    parser.add_argument("--prompt", "-p", required=True, help="prompt text")
+    parser.add_argument("-n", "--n-predict", dest="n", type=int, default=64, help="tokens to generate (default 64)")
+    parser.add_argument("--frac", type=float, default=1.0,
+                        help="HeadInfer: fraction of each layer's KV heads kept on the device, in [0, 1] "
+                             "(default 1.0 = off)")
+    parser.add_argument("--vram-budget", default=None,
+                        help="HeadInfer: derive the fraction from a GPU memory budget, e.g. 24GiB (instead of "
+                             "--frac; see the plan command)")
+    parser.add_argument("--ngl", "--n-gpu-layers", dest="ngl", type=int, default=0,
+                        help="layers to offload to the GPU (-1 = all; default 0)")
+    parser.add_argument("--ctx", "-c", type=int, default=4096, help="context size (default 4096)")
+    parser.add_argument("--batch", type=int, default=512, help="logical batch size (default 512)")
+    parser.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: llama.cpp's)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    parser.add_argument("--temp", type=float, default=0.8, help="temperature; <= 0 means greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=40, help="top-k (default 40, 0 = off)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="top-p (default 0.95, 1 = off)")
+    parser.add_argument("--min-p", type=float, default=0.05, help="min-p (default 0.05, 0 = off)")
+    parser.add_argument("--no-flash-attn", dest="flash_attn", action="store_false",
+                        help="disable flash attention (HeadInfer needs it to split a layer)")
+    parser.add_argument("--cache-type-k", default="f16", help="K cache type (default f16)")
+    parser.add_argument("--cache-type-v", default="f16", help="V cache type (default f16)")
+    parser.add_argument("--no-stream", dest="stream", action="store_false",
+                        help="print the text once at the end instead of token by token")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (FileNotFoundError, IsADirectoryError, ValueError) as exc:  # bad model path, bad --frac, ...
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pyllama_headinfer.llama import Context, Model, Sampler, check_headinfer_frac, format_kv_residency
+    from pyllama_headinfer.runtime import bindings
+
+    check_headinfer_frac(args.frac)  # before the (slow) model load
+    if args.vram_budget is not None:
+        from pyllama_headinfer.vram.plan import parse_size
+
+        parse_size(args.vram_budget)
+        if args.frac != 1.0:
+            raise ValueError("give --frac or --vram-budget, not both")
+
+    if not getattr(args, "verbose", False):
+        # llama.cpp is chatty at INFO; the CLI shows its warnings and errors only.
+        logging.getLogger("pyllama_headinfer.llama").setLevel(logging.WARNING)
+    if args.n < 0:
+        print("error: -n must be >= 0", file=sys.stderr)
+        return 2
+    err = sys.stderr
+    t0 = time.perf_counter()
+    with Model(args.model, n_gpu_layers=args.ngl) as model, \
+            bindings.capture_log() as context_log, \
+            Context(model, n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.batch, n_threads=args.threads,
+                    flash_attn=args.flash_attn, type_k=args.cache_type_k, type_v=args.cache_type_v,
+                    headinfer_gpu_heads_frac=args.frac, headinfer_vram_budget=args.vram_budget) as ctx, \
+            Sampler.from_params(args.temp, args.top_k, args.top_p, args.min_p, args.seed) as sampler:
+        # what the KV cache decided about the split, and why (shown even when llama.cpp's INFO is hidden)
+        split_lines = [text.split(": ", 1)[-1] for level, text in context_log
+                       if "headinfer:" in text and level >= logging.INFO]
+        t_load = time.perf_counter() - t0
+        prompt = model.tokenize(args.prompt, add_special=True)
+        if not prompt:
+            print("error: the prompt tokenizes to nothing", file=sys.stderr)
+            return 2
+
+        out = sys.stdout
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        generated: list[int] = []
+        t_prompt = None
+        t1 = time.perf_counter()
+        gen = ctx.generate(prompt, args.n, sampler)
+        for tok in gen:
+            if t_prompt is None:
+                t_prompt = time.perf_counter() - t1  # prompt eval + first sample
+                t2 = time.perf_counter()
+            generated.append(tok)
+            if model.is_eog(tok):
+                continue
+            if args.stream:
+                out.write(decoder.decode(model.token_to_piece(tok)))
+                out.flush()
+        t_gen = time.perf_counter() - t2 if t_prompt is not None else 0.0
+        if args.stream:
+            out.write(decoder.decode(b"", final=True) + "\n")
+        else:
+            out.write(model.detokenize([t for t in generated if not model.is_eog(t)]) + "\n")
+        out.flush()
+
+        n_gen = len(generated)
+        print(f"model: {model.path.name} ({model.description}), load {t_load:.2f} s", file=err)
+        if t_prompt is not None:
+            print(f"prompt: {len(prompt)} tokens, {len(prompt) / max(t_prompt, 1e-9):.1f} tokens/s", file=err)
+        # the first token comes with the prompt; the other n_gen - 1 each cost one decode
+        if n_gen > 1:
+            print(f"generation: {n_gen} tokens, {(n_gen - 1) / max(t_gen, 1e-9):.1f} tokens/s", file=err)
+        else:
+            print(f"generation: {n_gen} tokens", file=err)
+        print(f"headinfer_gpu_heads_frac: {ctx.headinfer_gpu_heads_frac}", file=err)
+        if ctx.headinfer_plan is not None:
+            print(f"  {ctx.headinfer_plan.summary()}", file=err)
+        elif args.vram_budget is not None:
+            print("  --vram-budget ignored: this build has no GPU offload", file=err)
+        for line in split_lines:
+            print(f"  {line}", file=err)
+        if bindings.has_kv_residency():
+            print(format_kv_residency(ctx.kv_residency()), file=err)
+        else:
+            print("KV residency: not available (this libllama has no llama_kv_residency_buffers)", file=err)
+    return 0
