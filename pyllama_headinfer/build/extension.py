@@ -14,7 +14,7 @@ real, patched llama.h*:
 - structs are declared *partial* (``...;``): the compiler computes size,
   alignment and offsets, so layout drift is impossible by construction;
 - every named field and every function prototype is checked against llama.h:
-  a name that does not exist is a compile error, and :func:`_type_checks`
+  a name that does not exist is a compile error, and :func:`type_checks`
   adds a ``_Static_assert`` per field, typedef and function so that a wrong
   *type* is a compile error too (not merely a warning);
 - enum values come from the compiler (``...`` in the enums).
@@ -23,7 +23,7 @@ The price is a C compiler at build time -- which the build tool needs anyway
 for llama.cpp itself.
 
 The module carries a stamp (pin commit + patch-series hash, see
-:func:`current_stamp`); :mod:`pyllama_headinfer.bindings` refuses to import a
+:func:`pyllama_headinfer.series.build_stamp`); :mod:`pyllama_headinfer.runtime.bindings` refuses to import a
 module whose stamp differs from the checkout, i.e. a stale build.
 """
 
@@ -36,7 +36,9 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-MODULE_NAME = "_pyllama_headinfer_cffi"
+from pyllama_headinfer.errors import BuildError
+from pyllama_headinfer.runtime.bindings import MODULE_NAME
+from pyllama_headinfer.series import build_stamp
 
 DECL_DIR = Path(__file__).resolve().parent / "decl"
 DECL_FILES = ("llama_decl.h", "pyllama_shim.h")
@@ -67,31 +69,6 @@ size_t pyllama_sizeof_context_params(void) {{ return sizeof(struct llama_context
 {type_checks}
 """
 
-# A llama.h without the residency API (a patch series in progress): the
-# module still builds, with never-called stand-ins, and reports "no residency".
-RESIDENCY_STUBS = r"""
-/* llama.h has no HeadInfer residency API: stand-ins, never called
-   (pyllama_has_kv_residency() returns 0). */
-struct llama_kv_residency_buffer { const char * buft_name; bool headinfer_host; uint64_t k_bytes; uint64_t v_bytes; };
-struct llama_kv_residency_layer { int32_t il; int32_t n_head_kv; int32_t n_head_resident; bool is_swa; };
-static int32_t llama_kv_residency_buffers(const struct llama_context * ctx, struct llama_kv_residency_buffer * out,
-                                          int32_t n_max) { (void) ctx; (void) out; (void) n_max; return -1; }
-static int32_t llama_kv_residency_layers(const struct llama_context * ctx, struct llama_kv_residency_layer * out,
-                                         int32_t n_max) { (void) ctx; (void) out; (void) n_max; return -1; }
-"""
-
-
-def header_has_residency(include_dirs) -> bool:
-    """Whether the llama.h in ``include_dirs`` declares the residency API."""
-    import re
-
-    for d in include_dirs:
-        header = Path(d) / "llama.h"
-        if header.is_file():
-            return re.search(r"\bllama_kv_residency_buffers\s*\(", header.read_text(errors="replace")) is not None
-    return False
-
-
 # Turn the warnings that a mismatched declaration can produce into errors.
 EXTRA_COMPILE_ARGS = [
     "-std=gnu11",
@@ -103,19 +80,6 @@ EXTRA_COMPILE_ARGS = [
 ]
 
 
-def current_stamp() -> str:
-    """The stamp a build of this checkout gets: ``"<pin commit>+<series hash>"``."""
-    from pyllama_headinfer import pin
-
-    try:
-        from pyllama_headinfer.patches.apply import series_hash
-    except ImportError:  # the patches module is not part of this checkout (yet)
-        series = "no-patch-series"
-    else:
-        series = series_hash()
-    return f"{pin.LLAMA_CPP_COMMIT}+{series}"
-
-
 def cdef_source() -> str:
     """The cffi declarations, read from ``decl/``."""
     return "\n".join((DECL_DIR / name).read_text() for name in DECL_FILES)
@@ -125,7 +89,7 @@ def _c_string(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def _type_checks(ffi) -> str:
+def type_checks(ffi) -> str:
     """``_Static_assert`` lines: each declared function, typedef and struct field
     has exactly the type the real header gives it."""
     from cffi import model
@@ -165,16 +129,13 @@ def make_ffibuilder(include_dirs, lib_dir: Path, stamp: str, cdef: str | None = 
 
     ffibuilder = cffi.FFI()
     ffibuilder.cdef(cdef_source() if cdef is None else cdef)
-    if header_has_residency(include_dirs):
-        residency = "\n".join(f"#pragma weak {name}" for name in WEAK_FUNCTIONS)
-        residency_check = " && ".join(f"(&{name} != NULL)" for name in WEAK_FUNCTIONS)
-    else:
-        residency, residency_check = RESIDENCY_STUBS, "0"
+    residency = "\n".join(f"#pragma weak {name}" for name in WEAK_FUNCTIONS)
+    residency_check = " && ".join(f"(&{name} != NULL)" for name in WEAK_FUNCTIONS)
     source = SHIM_SOURCE.format(
         residency=residency,
         residency_check=residency_check,
         stamp=_c_string(stamp),
-        type_checks=_type_checks(ffibuilder),
+        type_checks=type_checks(ffibuilder),
     )
     lib_dir = Path(lib_dir).resolve()
     ffibuilder.set_source(
@@ -193,9 +154,7 @@ def include_dirs_of(source_tree: Path) -> list[Path]:
     source_tree = Path(source_tree)
     dirs = [source_tree / "include", source_tree / "ggml" / "include"]
     for d in dirs:
-        if not (d.is_dir()):
-            from pyllama_headinfer.errors import BuildError
-
+        if not d.is_dir():
             raise BuildError(f"{d} does not exist: {source_tree} is not a llama.cpp source tree")
     return dirs
 
@@ -218,13 +177,11 @@ def compile_extension(build_dir: Path, source_tree: Path, lib_dir: Path, *, stam
     Raises :class:`~pyllama_headinfer.errors.BuildError` with the compiler's
     message when a declaration in ``decl/`` does not match llama.h.
     """
-    from pyllama_headinfer.errors import BuildError
-
     build_dir = Path(build_dir).resolve()
     lib_dir = Path(lib_dir).resolve()
     if not any(lib_dir.glob("libllama.*")):
         raise BuildError(f"no libllama in {lib_dir}")
-    stamp = current_stamp() if stamp is None else stamp
+    stamp = build_stamp() if stamp is None else stamp
     ffibuilder = make_ffibuilder(include_dirs_of(source_tree), lib_dir, stamp, cdef)
 
     out_dir = extension_dir(build_dir)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pyllama_headinfer.build import toolchain as tc
-from pyllama_headinfer import pin
+from pyllama_headinfer import paths, pin
 from pyllama_headinfer.errors import BuildError
 
 SANITIZERS = {"address": "asan", "thread": "tsan"}
@@ -225,7 +225,7 @@ def plan_build(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
 
     backend = "cuda" if use_cuda else "cpu"
     key = config_key(backend, arch, sanitize, btype)
-    directory = Path(build_dir).expanduser().resolve() if build_dir else build_root() / key
+    directory = Path(build_dir).expanduser().resolve() if build_dir else paths.build_root() / key
     return BuildPlan(backend=backend, key=key, build_dir=directory, options=options,
                      option_types={k: v for k, v in user_types.items() if k in options},
                      build_type=btype, cuda_arch=arch, nvcc=nvcc, sanitize=sanitize, tools=tools, notes=notes)
@@ -233,14 +233,6 @@ def plan_build(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
 
 # --------------------------------------------------------------------------
 # where builds live
-
-
-def build_root() -> Path:
-    """``<checkout>/build`` in a source checkout, else ``<cache>/build``."""
-    from pyllama_headinfer import paths
-
-    root = paths.project_root()
-    return (root / "build") if root is not None else paths.cache_dir() / "build"
 
 
 def default_build_dir(backend: str = "cpu", *, cuda_arch: Optional[str] = None,
@@ -254,4 +246,4 @@ def default_build_dir(backend: str = "cpu", *, cuda_arch: Optional[str] = None,
         raise ValueError(f"backend must be 'cpu' or 'cuda', not {backend!r}")
     if backend == "cuda" and cuda_arch is None:
         cuda_arch = tc.probe_cuda().local_archs() or tc.DEFAULT_CUDA_ARCHS
-    return build_root() / config_key(backend, cuda_arch, sanitize, build_type)
+    return paths.build_root() / config_key(backend, cuda_arch, sanitize, build_type)

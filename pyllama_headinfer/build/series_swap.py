@@ -1,6 +1,6 @@
 """Step 3 of ``build``: the verified pinned tree with the current patch series applied.
 
-:func:`_prepare_source` gets the tree (``source``) and applies the series
+:func:`prepare_source` gets the tree (``source``) and applies the series
 (``patches``). It also records the applied series in the cache
 (``<cache>/applied-series/<hash of the tree's path>``, never in the tree):
 when the series has changed since an earlier build, the recorded old series
@@ -16,10 +16,16 @@ import shutil
 from pathlib import Path
 from typing import Dict, Mapping, Optional, Tuple
 
+from pyllama_headinfer import paths
 from pyllama_headinfer.errors import HeadInferError
+from pyllama_headinfer.patches.apply import apply, revert
+from pyllama_headinfer.patches.series import load_series
+from pyllama_headinfer.patches.status import State, status, tree_acceptance
+from pyllama_headinfer.series import read_series_names, series_hash
+from pyllama_headinfer.source.fetch import ensure_source, locate_tree
 
 
-def _prepare_source(llama_src, allow_unverified: bool, say=print) -> Tuple[Path, str]:
+def prepare_source(llama_src, allow_unverified: bool, say=print) -> Tuple[Path, str]:
     """The verified tree with the current series applied, and the series hash.
 
     When the series changed since an earlier build patched this tree, the old
@@ -27,14 +33,11 @@ def _prepare_source(llama_src, allow_unverified: bool, say=print) -> Tuple[Path,
     comes out unchanged get their old mtimes back: ninja then recompiles only
     what the new series really changed.
     """
-    from pyllama_headinfer.patches import apply as patches
-    from pyllama_headinfer.source import fetch as source
-
-    current = patches.series_hash()
-    located = Path(source.locate_tree(llama_src)).resolve()
+    current = series_hash()
+    located = Path(locate_tree(llama_src)).resolve()
     kept = _revert_recorded_series(located, current, say)
-    tree = Path(source.ensure_source(llama_src, allow_unverified=allow_unverified)).resolve()
-    patches.apply(tree)
+    tree = Path(ensure_source(llama_src, allow_unverified=allow_unverified, accept=tree_acceptance)).resolve()
+    apply(tree)
     if kept:
         _restore_unchanged_mtimes(tree, kept)
     _record_series(tree, current)
@@ -43,8 +46,6 @@ def _prepare_source(llama_src, allow_unverified: bool, say=print) -> Tuple[Path,
 
 def _series_record_dir(tree: Path) -> Path:
     """Copy of the series that build last applied to ``tree`` (in the cache, never in the tree)."""
-    from pyllama_headinfer import paths
-
     return paths.cache_dir() / "applied-series" / hashlib.sha256(str(tree).encode()).hexdigest()[:16]
 
 
@@ -56,8 +57,6 @@ def _read_text(path: Path) -> Optional[str]:
 
 
 def _record_series(tree: Path, series_hash: str) -> None:
-    from pyllama_headinfer.patches import apply as patches
-    from pyllama_headinfer import paths
 
     record = _series_record_dir(tree)
     if _read_text(record / "hash") == series_hash:
@@ -68,7 +67,7 @@ def _record_series(tree: Path, series_hash: str) -> None:
     staged.mkdir(parents=True)
     if (directory / "series").is_file():
         shutil.copy2(directory / "series", staged / "series")
-    for name in patches.read_series_names(directory):
+    for name in read_series_names(directory):
         (staged / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(directory / name, staged / name)
     (staged / "tree").write_text(str(tree) + "\n", encoding="utf-8")
@@ -87,16 +86,14 @@ def _file_digest(path: Path) -> Optional[str]:
 def _revert_recorded_series(tree: Path, current: str, say) -> Dict[str, Tuple[str, int, int]]:
     """Reverts an older recorded series still applied to ``tree``; returns the
     touched files' (digest, atime_ns, mtime_ns) from before, or {}."""
-    from pyllama_headinfer.patches import apply as patches
-
     record = _series_record_dir(tree)
     old = _read_text(record / "hash")
     if not old or old == current or not tree.is_dir():
         return {}
     try:
-        if patches.status(tree, record).state != patches.State.APPLIED:
+        if status(tree, record).state != State.APPLIED:
             return {}
-        touched = patches.load_series(record).touched | patches.load_series().touched
+        touched = load_series(record).touched | load_series().touched
     except HeadInferError:
         return {}
     kept = {}
@@ -108,7 +105,7 @@ def _revert_recorded_series(tree: Path, current: str, say) -> Dict[str, Tuple[st
             kept[rel] = (digest, st.st_atime_ns, st.st_mtime_ns)
     say(f"The patch series changed since {tree} was patched (series {old[:12]} -> {current[:12]}): "
         "reverting the old series before applying the new one.")
-    patches.revert(tree, record)
+    revert(tree, record)
     return kept
 
 

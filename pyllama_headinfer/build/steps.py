@@ -2,7 +2,7 @@
 
 - configure: CMake runs only when the directory was not configured with
   exactly these options, this cmake and this source tree
-  (:func:`_needs_configure`; the last successful configure is recorded in
+  (:func:`needs_configure`; the last successful configure is recorded in
   ``STATE_NAME``);
 - compile: ``ninja <library targets>`` (the targets are read from
   ``build.ninja``) with the progress display;
@@ -29,8 +29,9 @@ from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pyllama_headinfer.build import toolchain as tc
 from pyllama_headinfer.build.plan import TOOL_TARGETS, BuildPlan
-from pyllama_headinfer.errors import BuildError, HeadInferError
-from pyllama_headinfer.build.record import _read_json, _write_json
+from pyllama_headinfer.errors import BuildError, BuildInterrupted, HeadInferError
+from pyllama_headinfer.build.record import write_json
+from pyllama_headinfer.runtime.manifest import read_json
 from pyllama_headinfer.build.progress import Progress, classify_failure, tail
 
 STATE_NAME = ".pyllama-configure.json"  # what the last successful configure used
@@ -38,27 +39,24 @@ STATE_NAME = ".pyllama-configure.json"  # what the last successful configure use
 TAIL_LINES = 30
 
 
-class BuildInterrupted(BuildError):
-    """Ctrl-C during a build; the next run resumes where ninja stopped."""
-
 
 # --------------------------------------------------------------------------
 # configure
 
 
-def _configured_tools(d: Path) -> Tuple[Optional[str], Optional[str]]:
+def configured_tools(d: Path) -> Tuple[Optional[str], Optional[str]]:
     """The cmake and ninja the directory was configured with (kept while they work; see find_tool)."""
-    state = _read_json(d / STATE_NAME) or {}
+    state = read_json(d / STATE_NAME) or {}
     argv = state.get("argv") or []
     ninja = next((a.split("=", 1)[1] for a in argv if a.startswith("-DCMAKE_MAKE_PROGRAM=")), None)
     return state.get("cmake") or (argv[0] if argv else None), state.get("ninja") or ninja
 
 
-def _configure_if_needed(plan, source_tree, cmake, ninja, fresh, log, log_path, run_env, echo, say) -> bool:
+def configure_if_needed(plan, source_tree, cmake, ninja, fresh, log, log_path, run_env, echo, say) -> bool:
     d = plan.build_dir
-    previous = _read_json(d / STATE_NAME)
-    argv = _configure_argv(plan, source_tree, cmake, ninja)
-    reason = _needs_configure(plan, source_tree, argv, fresh)
+    previous = read_json(d / STATE_NAME)
+    argv = configure_argv(plan, source_tree, cmake, ninja)
+    reason = needs_configure(plan, source_tree, argv, fresh)
     if reason is None:
         return False
     if fresh or (previous and previous.get("source_tree") != str(source_tree)):
@@ -66,24 +64,24 @@ def _configure_if_needed(plan, source_tree, cmake, ninja, fresh, log, log_path, 
         previous = None
     (d / STATE_NAME).unlink(missing_ok=True)
     say(f"Configuring with CMake {tc.fmt_version(cmake.version)} ({reason}) ...")
-    rc = _run_logged(argv + _unset_dropped(plan, previous), log, cwd=d, echo=echo, env=run_env)
+    rc = _run_logged(argv + unset_dropped(plan, previous), log, cwd=d, echo=echo, env=run_env)
     if rc != 0:
         raise _fail("Configuring llama.cpp with CMake", rc, log_path, say,
                     "Check the -D/--cmake-arg options and $CMAKE_ARGS; --fresh configures this "
                     "directory from scratch. ")
-    _write_json(d / STATE_NAME, {"source_tree": str(source_tree), "argv": argv, "options": plan.options,
+    write_json(d / STATE_NAME, {"source_tree": str(source_tree), "argv": argv, "options": plan.options,
                                  "cmake": cmake.path, "ninja": ninja.path})
     return True
 
 
-def _needs_configure(plan: BuildPlan, source_tree: Path, argv: List[str], fresh: bool) -> Optional[str]:
+def needs_configure(plan: BuildPlan, source_tree: Path, argv: List[str], fresh: bool) -> Optional[str]:
     """Why CMake must run now, or None when ninja alone is enough."""
     d = plan.build_dir
     if fresh:
         return "--fresh"
     if not (d / "build.ninja").is_file() or not (d / "CMakeCache.txt").is_file():
         return "first configure of this directory"
-    state = _read_json(d / STATE_NAME)
+    state = read_json(d / STATE_NAME)
     if state is None:
         return "no record of the last configure"
     if state.get("source_tree") != str(source_tree):
@@ -99,13 +97,13 @@ def _needs_configure(plan: BuildPlan, source_tree: Path, argv: List[str], fresh:
     return None
 
 
-def _configure_argv(plan: BuildPlan, source_tree: Path, cmake: tc.Tool, ninja: tc.Tool) -> List[str]:
+def configure_argv(plan: BuildPlan, source_tree: Path, cmake: tc.Tool, ninja: tc.Tool) -> List[str]:
     """The configure command (without the -U of options dropped since last time)."""
     return [cmake.path, "-S", str(source_tree), "-B", str(plan.build_dir), "-G", "Ninja",
             f"-DCMAKE_MAKE_PROGRAM={ninja.path}", *plan.defines()]
 
 
-def _unset_dropped(plan: BuildPlan, previous: Optional[dict]) -> List[str]:
+def unset_dropped(plan: BuildPlan, previous: Optional[dict]) -> List[str]:
     """``-UNAME`` for options passed last time but not now, so they return to their defaults."""
     old = (previous or {}).get("options", {})
     return [f"-U{name}" for name in old if name not in plan.options]
@@ -143,7 +141,7 @@ def library_targets(phonies: Mapping[str, str]) -> Dict[str, str]:
     return libs
 
 
-def _select_targets(d: Path, phonies: Mapping[str, str], libs: Mapping[str, str], tools: bool,
+def select_targets(d: Path, phonies: Mapping[str, str], libs: Mapping[str, str], tools: bool,
                     log_path: Path, say) -> List[str]:
     if "llama" not in libs:
         raise BuildError(f"CMake produced no `llama` library target in {d}/build.ninja; "
@@ -157,7 +155,7 @@ def _select_targets(d: Path, phonies: Mapping[str, str], libs: Mapping[str, str]
     return targets
 
 
-def _compile(d: Path, ninja: tc.Tool, targets: List[str], jobs: Optional[int], log, log_path, run_env, echo,
+def run_ninja(d: Path, ninja: tc.Tool, targets: List[str], jobs: Optional[int], log, log_path, run_env, echo,
              out, say) -> Tuple[int, bool]:
     argv = [ninja.path, "-C", str(d)] + (["-j", str(jobs)] if jobs else []) + targets
     progress = Progress(out)
@@ -232,7 +230,7 @@ def _fail(step: str, rc: int, log_path: Path, say, advice: str = "") -> BuildErr
     """Prints the log's tail and returns the error to raise."""
     lines = tail(log_path, TAIL_LINES)
     if rc in (-signal.SIGINT, 128 + signal.SIGINT) or any("interrupted by user" in line for line in lines[-3:]):
-        return _interrupted()
+        return interrupted_error()
     say(f"--- last {len(lines)} lines of {log_path} ---")
     for line in lines:
         say(line)
@@ -249,7 +247,7 @@ def _fail(step: str, rc: int, log_path: Path, say, advice: str = "") -> BuildErr
     return err
 
 
-def _interrupted() -> BuildInterrupted:
+def interrupted_error() -> BuildInterrupted:
     return BuildInterrupted(
         "Build interrupted. Nothing is lost: run the same command again and it resumes "
         "where it stopped (finished objects are kept)."
@@ -260,7 +258,7 @@ def _interrupted() -> BuildInterrupted:
 # the cffi bindings
 
 
-def _bindings_fingerprint(source_tree: Path, series_hash: str) -> Optional[str]:
+def bindings_fingerprint(source_tree: Path, series_hash: str) -> Optional[str]:
     """Hash of everything the cffi extension is compiled from, to skip recompiling it."""
     try:
         from pyllama_headinfer.build import extension as _cffi_build
@@ -279,7 +277,7 @@ def _bindings_fingerprint(source_tree: Path, series_hash: str) -> Optional[str]:
     return h.hexdigest()
 
 
-def _build_bindings(plan: BuildPlan, source_tree: Path, lib_dir: Path, previous: Optional[dict],
+def build_bindings(plan: BuildPlan, source_tree: Path, lib_dir: Path, previous: Optional[dict],
                     libs_rebuilt: bool, fingerprint: Optional[str], say) -> Optional[str]:
     try:
         from pyllama_headinfer.build import extension as _cffi_build

@@ -3,7 +3,7 @@
 Finds the tools ``build`` needs (system ones first, then the PyPI ``cmake`` /
 ``ninja`` wheels that are dependencies of this package), checks their
 versions, detects whether a CUDA build is possible, and reads back what CMake
-chose (compilers, cache) for the manifest.
+chose (the compilers) for the manifest.
 """
 
 from __future__ import annotations
@@ -199,22 +199,6 @@ def compilers_used(build_dir: Path, cmake_version: Optional[Version] = None) -> 
     return result
 
 
-def read_cache(build_dir: Path) -> Dict[str, str]:
-    """NAME -> value of ``CMakeCache.txt`` (empty when there is none)."""
-    cache = {}
-    try:
-        lines = (Path(build_dir) / "CMakeCache.txt").read_text(errors="replace").splitlines()
-    except OSError:
-        return cache
-    for line in lines:
-        if not line or line[0] in "#/":
-            continue
-        m = re.match(r"^([^:=]+)(?::[^=]*)?=(.*)$", line)
-        if m:
-            cache[m.group(1)] = m.group(2)
-    return cache
-
-
 # --------------------------------------------------------------------------
 # CUDA
 
@@ -270,12 +254,3 @@ def probe_cuda() -> CudaProbe:
         caps = _smi(["--query-gpu=compute_cap", "--format=csv,noheader"]) or ""
         probe.compute_caps = [c.strip() for c in caps.splitlines() if c.strip()]
     return probe
-
-
-def nvcc_version(nvcc: str) -> Optional[str]:
-    try:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    m = re.search(r"release (\d+\.\d+), V([\d.]+)", out.stdout)
-    return m.group(2) if m else None

@@ -31,32 +31,23 @@ Maintainer workflow (regenerating the series, see :func:`export`)::
     pyllama-headinfer patch export --llama-src .   # rewrites $P/*.patch and $P/series
     pyllama-headinfer patch check                  # the new series against the cached tree
 
-Where the code lives (this module: apply, revert and the CLI):
+Where the code lives (this module: apply and revert):
 
-- ``patches.py``: :func:`apply` and :func:`revert` (computed in a workspace,
-  then installed all or nothing, with a backup put back on failure) and the
-  CLI (``add_arguments``, ``run``);
-- ``patch_series.py``: reading ``series`` (:func:`read_series_names`,
-  :func:`load_series`), parsing patch files (:func:`parse_patch`,
-  :class:`Series`, :class:`Patch`, :class:`FilePatch`, :class:`Hunk`) and
-  :func:`series_hash`;
-- ``patch_workspace.py``: :class:`Workspace`, the temporary copy of the
-  touched files where ``git apply`` runs, and :func:`run_git`;
-- ``patch_status.py``: :func:`status`, :class:`State`, :class:`StatusReport`;
-- ``patch_check.py``: :func:`check` and its per-patch, per-hunk report
-  (:class:`CheckReport`, :class:`PatchCheck`, :class:`HunkResult`,
-  :class:`Outcome`);
-- ``patch_export.py``: :func:`export` (the maintainer workflow above);
-- ``tree_verify.py``: comparing a tree with the pin (used by status and revert).
+- :mod:`.series`: parsing patch files (:func:`~.series.load_series`,
+  :func:`~.series.parse_patch`); the names in ``series`` and the series hash
+  are :mod:`pyllama_headinfer.series`;
+- :mod:`.workspace`: :class:`~.workspace.Workspace`, the temporary copy of
+  the touched files where ``git apply`` runs, and :func:`~.workspace.run_git`;
+- :mod:`.status`: :func:`~.status.status`, :class:`~.status.State`,
+  :func:`~.status.tree_acceptance`;
+- :mod:`.check`: :func:`~.check.check` and its per-patch, per-hunk report;
+- :mod:`.export`: :func:`~.export.export` (the maintainer workflow above).
 
-Every name other modules and the tests use (``patches.status``,
-``patches.State``, ``patches.series_hash``, ...) is importable from this
-module.
+The ``patch`` command is :mod:`pyllama_headinfer.cli.patch`.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
@@ -65,25 +56,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, Optional
 
-from pyllama_headinfer import paths
-from pyllama_headinfer.source import fetch as source
 from pyllama_headinfer.errors import PatchError
-from pyllama_headinfer.patches.check import CheckReport, HunkResult, Outcome, PatchCheck, _check, check
-from pyllama_headinfer.patches.export import export
-from pyllama_headinfer.patches.series import SERIES_FILE, FilePatch, Hunk, Patch, PathLike, Series, _series_dir, load_series, parse_patch, read_series_names, series_hash
-from pyllama_headinfer.patches.status import DIFF_EXAMPLES, REVERT_RECIPE, State, StatusReport, _tree_root, status
-from pyllama_headinfer.patches.workspace import Workspace, _reversed_prefix, run_git
-
-__all__ = [
-    # apply / revert and the CLI
-    "apply", "revert", "ChangeResult", "REFETCH_RECIPE", "add_arguments", "run",
-    # patch_series
-    "SERIES_FILE", "Series", "Patch", "FilePatch", "Hunk", "PathLike", "read_series_names", "load_series",
-    "parse_patch", "series_hash",
-    # patch_workspace, patch_status, patch_check, patch_export
-    "Workspace", "run_git", "status", "State", "StatusReport", "DIFF_EXAMPLES", "REVERT_RECIPE",
-    "check", "CheckReport", "PatchCheck", "HunkResult", "Outcome", "export",
-]
+from pyllama_headinfer.source.tree_verify import verify_tree
+from pyllama_headinfer.patches.check import check_series
+from pyllama_headinfer.patches.series import PathLike, load_series
+from pyllama_headinfer.patches.status import State, tree_root, status
+from pyllama_headinfer.patches.workspace import Workspace, reversed_prefix
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +94,13 @@ class _Backup:
             target = self.tree / relative
             if existed:
                 target.parent.mkdir(parents=True, exist_ok=True)
-                _replace_file(self.store / relative, target, keep_times=True)
+                replace_file(self.store / relative, target, keep_times=True)
             elif target.exists() or target.is_symlink():
                 target.unlink()
                 _remove_empty_parents(target.parent, self.tree)
 
 
-def _replace_file(new: Path, target: Path, *, keep_times: bool = False) -> None:
+def replace_file(new: Path, target: Path, *, keep_times: bool = False) -> None:
     """Put ``new``'s content and mode at ``target`` in one rename."""
     temp = target.with_name(f".{target.name}.pyllama-headinfer-tmp")
     if keep_times:
@@ -156,7 +134,7 @@ def _install(work: Workspace, tree: Path, postcondition: Callable[[], Optional[s
                 result, target = work.root / relative, tree / relative
                 if result.is_file() or result.is_symlink():
                     target.parent.mkdir(parents=True, exist_ok=True)
-                    _replace_file(result, target)
+                    replace_file(result, target)
                 elif target.exists() or target.is_symlink():
                     target.unlink()
                     _remove_empty_parents(target.parent, tree)
@@ -178,7 +156,7 @@ class ChangeResult:
 
 def apply(tree: PathLike, patches_dir: Optional[PathLike] = None) -> ChangeResult:
     """Apply the whole series: all or nothing, and a no-op on an already patched tree."""
-    root = _tree_root(tree)
+    root = tree_root(tree)
     series = load_series(patches_dir)
     before = status(root, patches_dir)
     if before.state == State.APPLIED or (before.state == State.PRISTINE and not series.patches):
@@ -187,7 +165,7 @@ def apply(tree: PathLike, patches_dir: Optional[PathLike] = None) -> ChangeResul
     if before.state == State.PARTIAL:
         raise PatchError(f"refusing to patch {root}: {before.describe()}")
     if before.state == State.MODIFIED:
-        report = _check(root, series, before)
+        report = check_series(root, series, before)
         raise PatchError(
             f"refusing to patch {root}: {before.describe()}\n{report.describe()}\nTo recover, {REFETCH_RECIPE}"
         )
@@ -195,7 +173,7 @@ def apply(tree: PathLike, patches_dir: Optional[PathLike] = None) -> ChangeResul
         work.load(root)
         result = work.apply(series.patches)
         if result.returncode != 0:
-            report = _check(root, series, before)
+            report = check_series(root, series, before)
             raise PatchError(f"the series does not apply to {root}; nothing changed:\n{report.describe()}")
 
         def applied_everything() -> Optional[str]:
@@ -209,7 +187,7 @@ def apply(tree: PathLike, patches_dir: Optional[PathLike] = None) -> ChangeResul
 
 def revert(tree: PathLike, patches_dir: Optional[PathLike] = None) -> ChangeResult:
     """Undo the applied patches (all, or the first k of a PARTIAL tree); the result must be the pin."""
-    root = _tree_root(tree)
+    root = tree_root(tree)
     series = load_series(patches_dir)
     before = status(root, patches_dir)
     if before.state == State.PRISTINE:
@@ -218,60 +196,14 @@ def revert(tree: PathLike, patches_dir: Optional[PathLike] = None) -> ChangeResu
         raise PatchError(f"cannot revert {root}: {before.describe()}. To recover, {REFETCH_RECIPE}")
     with Workspace(series.touched) as work:
         work.load(root)
-        result = work.apply(_reversed_prefix(series, before.applied), reverse=True)
+        result = work.apply(reversed_prefix(series, before.applied), reverse=True)
         if result.returncode != 0:
             raise PatchError(f"reverse-applying the series to {root} failed; nothing changed:\n{result.stderr.strip()}")
 
         def back_to_the_pin() -> Optional[str]:
-            diff = source.verify_tree(root)
+            diff = verify_tree(root)
             return None if diff.ok else f"after reverting, {root} is still not the pin ({diff.describe()})"
 
         _install(work, root, back_to_the_pin)
     log.debug("reverted %d patches in %s", before.applied, root)
     return ChangeResult(root, True, f"{root}: reverted {before.applied} patches; the tree is the pristine pin")
-
-
-# --------------------------------------------------------------------------
-# CLI: pyllama-headinfer patch check|apply|revert|status|export
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    actions = parser.add_subparsers(dest="patch_action", metavar="ACTION")
-    actions.required = True
-    helps = {
-        "check": "report, per patch and per failing hunk, whether the series applies (read-only)",
-        "apply": "apply the whole series (all or nothing; no-op if already applied)",
-        "revert": "undo the series and verify the tree is the pristine pin",
-        "status": "PRISTINE, APPLIED, PARTIAL or MODIFIED (exit 1 for the last two)",
-        "export": "rewrite the series from a git checkout's commits on top of the pin",
-    }
-    for name, text in helps.items():
-        sub = actions.add_parser(name, help=text, description=text)
-        target = "the git checkout to export from" if name == "export" else "the llama.cpp tree"
-        sub.add_argument("--llama-src", metavar="PATH", help=f"{target} (default: the cached tree)")
-        sub.add_argument("--patches-dir", metavar="DIR", help=f"series directory (default: {paths.patches_dir()})")
-        if name == "export":
-            sub.add_argument("--base", metavar="COMMIT",
-                             help="the commit the series starts from (default: the pin, or the commit with its tree)")
-
-
-def run(args: argparse.Namespace) -> int:
-    action = args.patch_action
-    if action == "export":
-        if not args.llama_src and not os.environ.get(source.LLAMA_SRC_ENV):
-            raise PatchError("export needs --llama-src: a git checkout whose commits on top of the pin are the series")
-        names = export(source.locate_tree(args.llama_src), args.patches_dir, base=args.base)
-        print(f"exported {len(names)} patches to {_series_dir(args.patches_dir)}")
-        return 0
-    tree = source.locate_tree(args.llama_src)
-    if action == "status":
-        report = status(tree, args.patches_dir)
-        print(f"{tree}: {report.describe()}")
-        return 0 if report.state in (State.PRISTINE, State.APPLIED) else 1
-    if action == "check":
-        report = check(tree, args.patches_dir)
-        print(report.describe())
-        return 0 if report.ok else 1
-    change = apply(tree, args.patches_dir) if action == "apply" else revert(tree, args.patches_dir)
-    print(change.message)
-    return 0

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from pyllama_headinfer.patches.series import PathLike, Patch, Series, load_series
-from pyllama_headinfer.patches.status import State, StatusReport, _tree_root, status
+from pyllama_headinfer.patches.status import State, StatusReport, tree_root, status
 from pyllama_headinfer.patches.workspace import Workspace
 
 
@@ -134,11 +134,11 @@ def _check_one(work: Workspace, patch: Patch) -> PatchCheck:
 
 def check(tree: PathLike, patches_dir: Optional[PathLike] = None) -> CheckReport:
     """Whether each patch applies to the tree, per hunk for those that fail. Read-only."""
-    root = _tree_root(tree)
-    return _check(root, load_series(patches_dir), status(root, patches_dir))
+    root = tree_root(tree)
+    return check_series(root, load_series(patches_dir), status(root, patches_dir))
 
 
-def _check(root: Path, series: Series, state: StatusReport) -> CheckReport:
+def check_series(root: Path, series: Series, state: StatusReport) -> CheckReport:
     done = state.applied if state.state in (State.APPLIED, State.PARTIAL) else 0
     results = [PatchCheck(p.name, Outcome.ALREADY_APPLIED) for p in series.patches[:done]]
     with Workspace(series.touched) as work:

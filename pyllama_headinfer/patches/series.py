@@ -7,25 +7,21 @@ paths (``a/...``, ``b/...``) are relative to the llama.cpp root.
 
 :func:`load_series` gives a :class:`Series` of :class:`Patch` objects, each
 with the files (:class:`FilePatch`) and hunk headers (:class:`Hunk`) that
-:func:`parse_patch` found; :func:`series_hash` is the hash builds record.
-Nothing here touches a llama.cpp tree (see ``patches.py`` for what does).
+:func:`parse_patch` found. The names in ``series`` and the hash builds record
+are read by :mod:`pyllama_headinfer.series` (which the runtime uses too).
+Nothing here touches a llama.cpp tree (see :mod:`.apply` for what does).
 """
 
 from __future__ import annotations
 
 import codecs
-import hashlib
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Set, Tuple, Union
+from typing import List, Optional, Sequence, Set, Tuple
 
-from pyllama_headinfer import paths
 from pyllama_headinfer.errors import PatchError
-
-PathLike = Union[str, "os.PathLike[str]"]
-SERIES_FILE = "series"
+from pyllama_headinfer.series import SERIES_FILE, PathLike, read_series_names, series_dir
 
 
 # --------------------------------------------------------------------------
@@ -89,30 +85,8 @@ class Series:
         return len(self.patches)
 
 
-def _series_dir(patches_dir: Optional[PathLike]) -> Path:
-    return Path(patches_dir) if patches_dir is not None else paths.patches_dir()
-
-
-def read_series_names(patches_dir: Optional[PathLike] = None) -> List[str]:
-    """Patch file names listed in ``series`` (empty when the file or directory is absent)."""
-    series_file = _series_dir(patches_dir) / SERIES_FILE
-    if not series_file.is_file():
-        return []
-    names: List[str] = []
-    for number, line in enumerate(series_file.read_text(encoding="utf-8").splitlines(), 1):
-        name = re.sub(r"(^|\s)#.*$", "", line).strip()
-        if not name:
-            continue
-        if name.startswith("/") or ".." in name.split("/") or " " in name:
-            raise PatchError(f"{series_file}:{number}: invalid patch name {name!r}")
-        if name in names:
-            raise PatchError(f"{series_file}:{number}: {name} is listed twice")
-        names.append(name)
-    return names
-
-
 def load_series(patches_dir: Optional[PathLike] = None) -> Series:
-    directory = _series_dir(patches_dir)
+    directory = series_dir(patches_dir)
     patches = []
     for name in read_series_names(directory):
         patch_path = directory / name
@@ -124,29 +98,6 @@ def load_series(patches_dir: Optional[PathLike] = None) -> Series:
             raise PatchError(f"{patch_path} contains no diff")
         patches.append(Patch(name, patch_path.resolve(), tuple(files)))
     return Series(directory, tuple(patches))
-
-
-def series_hash(patches_dir: Optional[PathLike] = None) -> str:
-    """sha256 over ``series`` and the listed patch files, in order.
-
-    Each part is framed with its name and length, so moving bytes between
-    files changes the hash. An absent series hashes like an empty one.
-    """
-    directory = _series_dir(patches_dir)
-    digest = hashlib.sha256()
-
-    def feed(label: str, data: bytes) -> None:
-        digest.update(f"{label}\0{len(data)}\0".encode("utf-8"))
-        digest.update(data)
-
-    series_file = directory / SERIES_FILE
-    feed(SERIES_FILE, series_file.read_bytes() if series_file.is_file() else b"")
-    for name in read_series_names(directory):
-        try:
-            feed(name, (directory / name).read_bytes())
-        except OSError as exc:
-            raise PatchError(f"cannot read patch {name}: {exc}") from exc
-    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pyllama_headinfer import pin
 from pyllama_headinfer.source import tree_verify
 from pyllama_headinfer.errors import PatchError
 from pyllama_headinfer.patches.series import PathLike, Patch, Series, load_series
-from pyllama_headinfer.patches.workspace import Workspace, _restrict, _reversed_prefix, _without
+from pyllama_headinfer.patches.workspace import Workspace, restrict_listing, reversed_prefix, listing_without
 from pyllama_headinfer.pin import PinnedFile
 
 DIFF_EXAMPLES = 8
@@ -64,7 +64,7 @@ class StatusReport:
         return f"MODIFIED: files match neither the pin nor the patch series: {shown}{more}"
 
 
-def _tree_root(tree: PathLike) -> Path:
+def tree_root(tree: PathLike) -> Path:
     root = Path(tree).expanduser().resolve()
     if not root.is_dir():
         raise PatchError(f"{root} is not a directory")
@@ -83,7 +83,7 @@ def _stage_of_touched(work: Workspace, tree: Path, series: Series,
         return 0
     for count in range(len(series), 0, -1):
         work.load(tree)
-        if work.apply(_reversed_prefix(series, count), reverse=True).returncode != 0:
+        if work.apply(reversed_prefix(series, count), reverse=True).returncode != 0:
             continue
         if work.listing() != pristine:
             continue
@@ -111,8 +111,8 @@ def _diagnose_files(work: Workspace, tree: Path, series: Series, actual: Dict[st
 
 def _file_level(work: Workspace, tree: Path, relative: str, mine: List[Patch],
                 actual: Dict[str, PinnedFile], pristine: Dict[str, PinnedFile]) -> Optional[str]:
-    want_actual = _restrict(actual, {relative})
-    want_pristine = _restrict(pristine, {relative})
+    want_actual = restrict_listing(actual, {relative})
+    want_pristine = restrict_listing(pristine, {relative})
     if want_actual == want_pristine:
         return "pristine"
     for count in range(len(mine), 0, -1):
@@ -120,23 +120,23 @@ def _file_level(work: Workspace, tree: Path, relative: str, mine: List[Patch],
         undo = list(reversed(mine[:count]))
         if work.apply(undo, reverse=True, include=relative).returncode != 0:
             continue
-        if _restrict(work.listing(), {relative}) != want_pristine:
+        if restrict_listing(work.listing(), {relative}) != want_pristine:
             continue
         redo = work.apply(mine[:count], include=relative)
-        if redo.returncode == 0 and _restrict(work.listing(), {relative}) == want_actual:
+        if redo.returncode == 0 and restrict_listing(work.listing(), {relative}) == want_actual:
             return f"after {mine[count - 1].name}"
     return None
 
 
 def status(tree: PathLike, patches_dir: Optional[PathLike] = None) -> StatusReport:
     """Which state the tree is in relative to the pin and the series (never changes it)."""
-    root = _tree_root(tree)
+    root = tree_root(tree)
     series = load_series(patches_dir)
     tree_verify.check_pin_listing()
     expected = pin.pinned_files()
     actual = tree_verify.scan_tree(root)
     touched = series.touched
-    outside = tree_verify.compare_listings(_without(actual, touched), _without(expected, touched))
+    outside = tree_verify.compare_listings(listing_without(actual, touched), listing_without(expected, touched))
     outside_notes = [f"{p} (differs from the pin)" for p in outside.differing]
     outside_notes += [f"{p} (missing)" for p in outside.missing]
     outside_notes += [f"{p} (extra)" for p in outside.extra]
@@ -144,8 +144,8 @@ def status(tree: PathLike, patches_dir: Optional[PathLike] = None) -> StatusRepo
     def report(state: State, applied: int = 0, notes: Sequence[str] = ()) -> StatusReport:
         return StatusReport(root, state, applied, len(series), series.names, tuple(notes))
 
-    actual_touched = _restrict(actual, touched)
-    pristine_touched = _restrict(expected, touched)
+    actual_touched = restrict_listing(actual, touched)
+    pristine_touched = restrict_listing(expected, touched)
     with Workspace(touched) as work:
         applied = _stage_of_touched(work, root, series, actual_touched, pristine_touched)
         if applied is None:
@@ -158,3 +158,19 @@ def status(tree: PathLike, patches_dir: Optional[PathLike] = None) -> StatusRepo
     if applied == len(series):
         return report(State.APPLIED, applied)
     return report(State.PARTIAL, applied)
+
+
+def tree_acceptance(tree: PathLike) -> Tuple[bool, str]:
+    """(usable, description): usable when ``tree`` is pristine or has exactly
+    our series applied -- the acceptance the build and the ``source`` command
+    pass to :func:`pyllama_headinfer.source.fetch.ensure_source`."""
+    diff = tree_verify.verify_tree(tree)
+    if diff.ok:
+        return True, "pristine"
+    try:
+        report = status(tree)
+    except PatchError as exc:
+        return False, f"not the pin ({diff.describe()}); patch state unknown: {exc}"
+    if report.state == State.APPLIED:
+        return True, "patch series applied"
+    return False, report.describe()

@@ -15,32 +15,21 @@ rebuilt from it must equal the tree the commit object names.
    (``$PYLLAMA_HEADINFER_PIP_ARGS`` adds arguments to ``pip download``, e.g.
    ``--find-links DIR --no-index``).
 
-A tree is acceptable when it is pristine or carries exactly our patch series
-(see :func:`pyllama_headinfer.patches.status`), so a patched cache is reused.
+Which trees are acceptable is the caller's choice (``accept``): by default
+only the pristine pin (:func:`pristine`); the build passes the patch manager's
+:func:`pyllama_headinfer.patches.status.tree_acceptance`, which also accepts
+the tree with exactly our series applied, so a patched cache is reused. (This
+module does not import the patch manager: it sits below it.)
 
 Hashing the ~176 MB tree takes about a second, so blob ids are remembered in a
 stat cache (size, mtime, ctime, inode -> blob id) kept in the cache directory,
-keyed by the tree's absolute path, never inside the tree.
-
-Where the code lives (this module: getting a tree, and the CLI):
-
-- ``source.py``: :func:`ensure_source`, :func:`locate_tree`,
-  :func:`fetch_source`, the fetchers (GitHub archive, PyPI sdist), installing
-  a fetched tree into the cache, :func:`tree_acceptance` (pristine, or our
-  series applied) and the CLI (``add_arguments``, ``run``);
-- ``tree_verify.py``: git blob/tree hashing, :func:`check_pin_listing`,
-  :func:`scan_tree` with its stat cache, :class:`TreeDiff`,
-  :func:`verify_tree`;
-- ``archive.py``: :func:`extract_subtree`, the safe extraction of an archive.
-
-Every name other modules and the tests use (``source.verify_tree``,
-``source.scan_tree``, ``source.extract_subtree``, ...) is importable from
-this module.
+keyed by the tree's absolute path, never inside the tree
+(:mod:`.tree_verify`); archives are extracted by :mod:`.archive`. The
+``source`` command is :mod:`pyllama_headinfer.cli.source`.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shlex
@@ -54,21 +43,8 @@ from typing import Callable, List, Optional, Tuple
 
 from pyllama_headinfer import paths, pin
 from pyllama_headinfer.source.archive import extract_subtree
-from pyllama_headinfer.errors import HeadInferError, PatchError, SourceError
-from pyllama_headinfer.source.tree_verify import DIFF_EXAMPLES, MODE_EXEC, MODE_FILE, MODE_LINK, MODE_SPECIAL, MODE_TREE, RACY_WINDOW_NS, STAT_CACHE_VERSION, Listing, PathLike, TreeDiff, _move_stat_cache, check_pin_listing, compare_listings, forget_stat_cache, git_blob_id, git_tree_id, hash_file, scan_tree, verify_tree
-
-__all__ = [
-    # getting a tree, and the CLI
-    "ensure_source", "locate_tree", "fetch_source", "tree_acceptance", "cached_tree_path", "downloads_dir",
-    "archive_url", "pip_download_command", "LLAMA_SRC_ENV", "ARCHIVE_URL_ENV", "PIP_ARGS_ENV",
-    "CONNECT_TIMEOUT_S", "READ_TIMEOUT_S", "add_arguments", "run",
-    # tree_verify
-    "git_blob_id", "hash_file", "git_tree_id", "check_pin_listing", "scan_tree", "forget_stat_cache",
-    "TreeDiff", "compare_listings", "verify_tree", "Listing", "PathLike", "DIFF_EXAMPLES",
-    "STAT_CACHE_VERSION", "RACY_WINDOW_NS", "MODE_FILE", "MODE_EXEC", "MODE_LINK", "MODE_TREE", "MODE_SPECIAL",
-    # archive
-    "extract_subtree",
-]
+from pyllama_headinfer.errors import HeadInferError, SourceError
+from pyllama_headinfer.source.tree_verify import PathLike, forget_stat_cache, move_stat_cache, verify_tree
 
 log = logging.getLogger(__name__)
 
@@ -84,20 +60,16 @@ READ_TIMEOUT_S = 60
 # whether a tree is usable: pristine, or our series applied
 
 
-def tree_acceptance(tree: PathLike) -> Tuple[bool, str]:
-    """(usable, description): usable when pristine or exactly our series applied."""
-    diff = verify_tree(tree)
-    if diff.ok:
-        return True, "pristine"
-    from pyllama_headinfer.patches import apply as patches
+Acceptance = Callable[[Path], Tuple[bool, str]]
 
-    try:
-        report = patches.status(tree)
-    except PatchError as exc:
-        return False, f"not the pin ({diff.describe()}); patch state unknown: {exc}"
-    if report.state == patches.State.APPLIED:
-        return True, "patch series applied"
-    return False, report.describe()
+
+def pristine(tree: PathLike) -> Tuple[bool, str]:
+    """(usable, description): usable when ``tree`` is exactly the pin. The
+    acceptance :func:`ensure_source` uses unless given another one (the patch
+    manager's :func:`pyllama_headinfer.patches.status.tree_acceptance` also
+    accepts our series applied)."""
+    diff = verify_tree(tree)
+    return (True, "pristine") if diff.ok else (False, f"not the pin ({diff.describe()})")
 
 
 # --------------------------------------------------------------------------
@@ -198,7 +170,7 @@ def _remote_sources() -> List[_Fetcher]:
     ]
 
 
-def _install_tree(staged: Path, final: Path, replace: bool) -> Path:
+def install_tree(staged: Path, final: Path, replace: bool) -> Path:
     """Rename a verified staged tree into place.
 
     An existing tree is replaced only when asked (``fetch --force``); otherwise
@@ -212,7 +184,7 @@ def _install_tree(staged: Path, final: Path, replace: bool) -> Path:
         old = final.with_name(f".old-{final.name}-{os.getpid()}")
         os.rename(final, old)
     os.rename(staged, final)
-    _move_stat_cache(staged, final)
+    move_stat_cache(staged, final)
     if old is not None:
         forget_stat_cache(old)
         shutil.rmtree(old, ignore_errors=True)
@@ -236,7 +208,7 @@ def _fetch_one(fetcher: _Fetcher, downloads: Path, final: Path, replace: bool) -
             # a corrupt, unsafe or wrong archive must not satisfy the next attempt
             archive.unlink(missing_ok=True)
             raise SourceError(f"{exc}; deleted {archive.name}") from exc
-        return _install_tree(tree, final, replace)
+        return install_tree(tree, final, replace)
     finally:
         forget_stat_cache(staging / final.name)
         shutil.rmtree(staging, ignore_errors=True)
@@ -261,11 +233,11 @@ def _fetch_into_cache(tried: List[str], *, replace: bool = False) -> Path:
     )
 
 
-def fetch_source(*, force: bool = False) -> Path:
+def fetch_source(*, force: bool = False, accept: Acceptance = pristine) -> Path:
     """Download and verify the pin into the cache (replacing a cached tree when ``force``)."""
     final = cached_tree_path()
     if final.exists() and not force:
-        return _use_existing(final, "the cached tree", False, _CACHED_RECIPE)
+        return _use_existing(final, "the cached tree", False, _CACHED_RECIPE, accept)
     return _fetch_into_cache([], replace=force)
 
 
@@ -275,10 +247,10 @@ _CACHED_RECIPE = (
 )
 
 
-def _use_existing(tree: Path, label: str, allow_unverified: bool, recipe: str) -> Path:
+def _use_existing(tree: Path, label: str, allow_unverified: bool, recipe: str, accept: Acceptance) -> Path:
     if not tree.is_dir():
         raise SourceError(f"{label} {tree} is not a directory")
-    usable, description = tree_acceptance(tree)
+    usable, description = accept(tree)
     if usable:
         log.info("using %s %s (%s)", label, tree, description)
         return tree
@@ -291,13 +263,14 @@ def _use_existing(tree: Path, label: str, allow_unverified: bool, recipe: str) -
     )
 
 
-def ensure_source(llama_src: Optional[PathLike] = None, *, allow_unverified: bool = False) -> Path:
+def ensure_source(llama_src: Optional[PathLike] = None, *, allow_unverified: bool = False,
+                  accept: Acceptance = pristine) -> Path:
     """Path of a verified pinned llama.cpp tree (pristine or with our series applied).
 
     See the module docstring for the order of sources. An explicit tree that is
     not acceptable is an error (never silently replaced by another source);
     so is a cached tree modified by hand. ``allow_unverified`` accepts such a
-    tree with a warning.
+    tree with a warning. ``accept`` judges a tree (default :func:`pristine`).
     """
     explicit = llama_src if llama_src is not None else os.environ.get(LLAMA_SRC_ENV)
     if explicit:
@@ -305,12 +278,11 @@ def ensure_source(llama_src: Optional[PathLike] = None, *, allow_unverified: boo
             Path(explicit).expanduser().resolve(), "the llama.cpp tree", allow_unverified,
             "Point --llama-src at a checkout of "
             f"{pin.LLAMA_CPP_COMMIT} ({pin.LLAMA_CPP_BUILD}), or leave it out to use the cached download.",
+            accept,
         )
     cached = cached_tree_path()
     if cached.exists():
-        return _use_existing(
-            cached, "the cached tree", allow_unverified, _CACHED_RECIPE
-        )
+        return _use_existing(cached, "the cached tree", allow_unverified, _CACHED_RECIPE, accept)
     return _fetch_into_cache([f"cached tree: none at {cached}"])
 
 
@@ -329,32 +301,3 @@ def locate_tree(llama_src: Optional[PathLike] = None) -> Path:
         return tree
     cached = cached_tree_path()
     return cached if cached.exists() else ensure_source()
-
-
-# --------------------------------------------------------------------------
-# CLI: pyllama-headinfer source fetch|verify|path
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    actions = parser.add_subparsers(dest="source_action", metavar="ACTION")
-    actions.required = True
-    fetch = actions.add_parser("fetch", help="download and verify the pinned llama.cpp into the cache")
-    fetch.add_argument("--force", action="store_true", help="re-download even if a cached tree exists")
-    verify = actions.add_parser("verify", help="check a tree against the pinned commit")
-    path = actions.add_parser("path", help="print the path of a verified tree (fetching it if needed)")
-    for sub in (verify, path):
-        sub.add_argument("--llama-src", metavar="PATH", help="llama.cpp tree (default: the cached one)")
-    path.add_argument("--allow-unverified", action="store_true", help="accept a tree that is not the pin")
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.source_action == "fetch":
-        print(fetch_source(force=args.force))
-        return 0
-    if args.source_action == "path":
-        print(ensure_source(args.llama_src, allow_unverified=args.allow_unverified))
-        return 0
-    tree = locate_tree(args.llama_src)
-    usable, description = tree_acceptance(tree)
-    print(f"{tree}: {description}")
-    return 0 if usable else 1

@@ -162,7 +162,7 @@ def forget_stat_cache(tree: PathLike) -> None:
         pass
 
 
-def _move_stat_cache(old: Path, new: Path) -> None:
+def move_stat_cache(old: Path, new: Path) -> None:
     """A renamed tree keeps its files' inodes and times: keep their blob ids too."""
     entries = _load_stat_cache(old)
     forget_stat_cache(old)
