@@ -11,7 +11,7 @@ Each point of the sweep gets a fresh context on an already loaded model:
 
 Timings are wall-clock around ``llama_decode`` + ``llama_synchronize``; they
 are for comparing configurations in one run on one machine, not for tests.
-The command-line front end is :mod:`pyllama_headinfer.bench_cli`.
+The command-line front end is :mod:`pyllama_headinfer.cli.bench`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,11 @@ import statistics
 import time
 from typing import Callable, Iterable, Optional, Sequence
 
+from pyllama_headinfer.api.context import Context
+from pyllama_headinfer.api.residency import kv_residency_totals
+from pyllama_headinfer.errors import HeadInferError
+from pyllama_headinfer.params import ContextParams
+
 log = logging.getLogger(__name__)
 
 # Filler text for the depth: ordinary words, so any tokenizer yields plain (non-control) tokens.
@@ -31,11 +36,12 @@ FILLER_TEXT = ("The history of the city is written in its streets, its markets a
 
 @dataclasses.dataclass(frozen=True)
 class BenchPoint:
-    """One configuration of the sweep. ``frac`` None: derived from ``vram_budget``."""
+    """One configuration of the sweep: ``frac`` or ``vram_budget`` (the fraction
+    derived from it), not both; neither is 1.0, HeadInfer off."""
     depth: int
     type_k: str = "f16"
     type_v: str = "f16"
-    frac: Optional[float] = 1.0
+    frac: Optional[float] = None
     vram_budget: Optional[str] = None
 
     @property
@@ -58,7 +64,8 @@ class BenchResult:
 
     @classmethod
     def failed(cls, point: BenchPoint, error: str) -> "BenchResult":
-        return cls(point=point, frac=float("nan") if point.frac is None else point.frac, prompt_tps=None,
+        frac = float("nan") if point.vram_budget is not None else (1.0 if point.frac is None else point.frac)
+        return cls(point=point, frac=frac, prompt_tps=None,
                    decode_tps=float("nan"), decode_tps_runs=[], device_kv_bytes=0, host_kv_bytes=0,
                    n_layers_split=0, n_layers=0, error=error)
 
@@ -88,8 +95,6 @@ def filler_tokens(model, n: int) -> list[int]:
 
 def _kv_bytes(report: Optional[dict]) -> tuple[int, int, int, int]:
     """(device bytes, host-half bytes, split layers, layers) of a residency report."""
-    from pyllama_headinfer.api.residency import kv_residency_totals
-
     device, host = kv_residency_totals(report)
     layers = [] if report is None else report["layers"]
     n_split = sum(1 for x in layers if x["n_head_resident"] < x["n_head_kv"])
@@ -99,8 +104,6 @@ def _kv_bytes(report: Optional[dict]) -> tuple[int, int, int, int]:
 def run_point(model, point: BenchPoint, *, n_gen: int = 32, n_batch: int = 512, repeat: int = 1,
               n_threads: Optional[int] = None) -> BenchResult:
     """Measure one configuration (see the module docstring)."""
-    from pyllama_headinfer.llama import Context
-
     if n_gen < 1 or repeat < 1:
         raise ValueError("n_gen and repeat must be >= 1")
     fill = filler_tokens(model, point.depth)
@@ -108,10 +111,10 @@ def run_point(model, point: BenchPoint, *, n_gen: int = 32, n_batch: int = 512, 
     n_ctx = point.depth + (n_gen + 1) * repeat + 1
     prompt_tps = []
     decode_tps = []
-    with Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads, flash_attn=True,
-                 type_k=point.type_k, type_v=point.type_v,
-                 headinfer_gpu_heads_frac=1.0 if point.frac is None else point.frac,
-                 headinfer_vram_budget=point.vram_budget) as ctx:
+    params = ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads, flash_attn=True,
+                           type_k=point.type_k, type_v=point.type_v, headinfer_gpu_heads_frac=point.frac,
+                           headinfer_vram_budget=point.vram_budget)
+    with Context(model, params) as ctx:
         report = ctx.kv_residency()
         ctx.decode([token])  # warm-up, untimed: the first decode of a context allocates and builds its graphs
         ctx.synchronize()
@@ -141,12 +144,10 @@ def run_sweep(model, points: Sequence[BenchPoint], *, progress: Optional[Callabl
     """run_point for every point, in order; ``progress(i, n, result)`` after each. A point that
     fails (llama.cpp cannot create the context, e.g. out of device memory) is recorded with its
     error and the sweep goes on: the other points are still measured."""
-    from pyllama_headinfer.errors import HeadInferError
-
     results = []
     for i, point in enumerate(points, 1):
         log.info("[%d/%d] depth %d, KV %s, %s ...", i, len(points), point.depth, point.kv,
-                 f"budget {point.vram_budget}" if point.frac is None else f"frac {point.frac:g}")
+                 f"budget {point.vram_budget}" if point.vram_budget is not None else f"frac {point.frac or 1.0:g}")
         try:
             result = run_point(model, point, **kwargs)
         except HeadInferError as exc:

@@ -12,15 +12,16 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from pyllama_headinfer.api.handle import Handle
+from pyllama_headinfer.errors import HeadInferError, ModelError, TokenError
 from pyllama_headinfer.runtime import bindings
-from pyllama_headinfer.errors import HeadInferError
-from pyllama_headinfer.api.exceptions import ClosedError, ModelError, TokenError, _log_tail
-from pyllama_headinfer.api.gguf_check import check_gguf
+from pyllama_headinfer.runtime.log import checked_call
+from pyllama_headinfer.vram.gguf import read_gguf
 
 FLT_MAX = float(np.finfo(np.float32).max)  # the shares are C floats
 
 
-class Model:
+class Model(Handle):
     """A GGUF model loaded by llama.cpp.
 
     ``n_gpu_layers``: layers to offload (-1 = all; 0 = CPU only).
@@ -44,7 +45,7 @@ class Model:
             raise IsADirectoryError(errno.EISDIR, "model path is a directory", str(path))
         if not isinstance(n_gpu_layers, numbers.Integral):
             raise TypeError(f"n_gpu_layers must be an int, got {n_gpu_layers!r}")
-        check_gguf(path)
+        self.gguf = read_gguf(path)  # the pre-flight check: a corrupt file is a ModelError, not a crash
         self.path = path
         self.n_gpu_layers = int(n_gpu_layers)  # where the layers are: HeadInfer's VRAM budget plan needs it
         ffi, lib = self._ffi, self._lib = bindings.load()
@@ -54,11 +55,9 @@ class Model:
             else lib.LLAMA_LOAD_MODE_NONE
         params.vocab_only = bool(vocab_only)
         keep = self._set_placement(params, devices, split_mode, tensor_split)  # alive until the load returns
-        with bindings.capture_log() as log:
-            ptr = lib.llama_model_load_from_file(os.fsencode(path), params)
+        ptr = checked_call(lib.llama_model_load_from_file, os.fsencode(path), params, ok=lambda p: p != ffi.NULL,
+                           error=lambda _, reason: ModelError(f"llama.cpp could not load {path}: {reason}"))
         del keep  # llama.cpp has copied what the device / split arrays said
-        if ptr == ffi.NULL:
-            raise ModelError(f"llama.cpp could not load {path}: {_log_tail(log) or 'no reason given'}")
         self._handle = ffi.gc(ptr, lib.llama_model_free)
         self._vocab = lib.llama_model_get_vocab(ptr)
         self.n_vocab: int = int(lib.llama_vocab_n_tokens(self._vocab))
@@ -95,33 +94,13 @@ class Model:
             params.devices = keep[-1]
         return keep
 
-    # -- lifetime ---------------------------------------------------------- #
+    # -- lifetime (Handle) -------------------------------------------------- #
 
-    def _ptr(self):
-        if self._handle is None:
-            raise ClosedError("the model is closed")
-        return self._handle
-
-    @property
-    def closed(self) -> bool:
-        return self._handle is None
-
-    def close(self) -> None:
-        """Free the model (and first every context still open on it)."""
-        if self._handle is None:
-            return
+    def _close_dependents(self) -> None:
+        """Closing a model closes every context still open on it first."""
         for ctx in list(self._contexts):
             ctx.close()
-        handle, self._handle = self._handle, None
         self._vocab = None
-        self._ffi.release(handle)  # runs llama_model_free now
-
-    def __enter__(self) -> "Model":
-        self._ptr()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"n_vocab={self.n_vocab}"

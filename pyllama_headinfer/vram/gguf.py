@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from pyllama_headinfer.api.exceptions import ModelError
+from pyllama_headinfer.errors import ModelError
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)  # what llama.cpp reads

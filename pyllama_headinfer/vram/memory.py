@@ -23,10 +23,11 @@ from typing import Sequence
 
 import numpy as np
 
-from pyllama_headinfer.vram.model import ModelInfo, PlanError, TensorInfo, UnsupportedModelError
+from pyllama_headinfer.errors import PlanError, UnsupportedModelError
+from pyllama_headinfer.params import KV_CACHE_TYPES, ContextParams
+from pyllama_headinfer.vram.model import ModelInfo, TensorInfo
 
 # The KV cache types the Python API accepts (api/context.py KV_CACHE_TYPES).
-KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
 
 # CUDA buffer rules at the pin (ggml/src/ggml-cuda/ggml-cuda.cu): 128-byte
 # alignment, and quantized tensors whose rows are not a multiple of
@@ -53,16 +54,16 @@ def _lround(x: float) -> int:
     return int(math.floor(x + 0.5))
 
 
-def _type(name: str):
+def ggml_type(name: str):
     from gguf import GGMLQuantizationType
 
     name = str(name).lower()
-    if name not in KV_TYPES:
-        raise ValueError(f"KV cache type must be one of {list(KV_TYPES)}, got {name!r}")
+    if name not in KV_CACHE_TYPES:
+        raise ValueError(f"KV cache type must be one of {list(KV_CACHE_TYPES)}, got {name!r}")
     return GGMLQuantizationType[name.upper()]
 
 
-def _block(qtype) -> tuple[int, int]:
+def block_of(qtype) -> tuple[int, int]:
     from gguf import GGML_QUANT_SIZES
 
     return GGML_QUANT_SIZES[qtype]
@@ -70,7 +71,7 @@ def _block(qtype) -> tuple[int, int]:
 
 def row_size(qtype, n: int) -> int:
     """ggml_row_size(type, n): bytes of n elements of a row (n a multiple of the block)."""
-    block, size = _block(qtype)
+    block, size = block_of(qtype)
     if n % block:
         raise PlanError(f"a row of {n} elements is not a whole number of {qtype.name} blocks ({block})")
     return n // block * size
@@ -79,7 +80,7 @@ def row_size(qtype, n: int) -> int:
 def cuda_alloc_size(qtype, ne0: int, nbytes: int) -> int:
     """Bytes a tensor takes in a CUDA buffer: ggml_backend_cuda_buffer_type_get_alloc_size
     (quantized rows padded to MATRIX_ROW_PADDING) aligned to 128."""
-    block, size = _block(qtype)
+    block, size = block_of(qtype)
     if block > 1 and ne0 % CUDA_MATRIX_ROW_PADDING:
         nbytes += (CUDA_MATRIX_ROW_PADDING - ne0 % CUDA_MATRIX_ROW_PADDING) // block * size
     return _pad(nbytes, CUDA_ALIGNMENT)
@@ -106,6 +107,18 @@ class Settings:
     offload_kqv: bool = True
     op_offload: bool = True
     force_split: bool = False  # LLAMA_HEADINFER_FORCE_SPLIT: host-memory layers split too
+
+    @classmethod
+    def from_params(cls, params: ContextParams, *, n_gpu_layers: int = -1, force_split: bool = False,
+                    op_offload: bool = True) -> "Settings":
+        """The settings a context with ``params`` gets: ``None`` resolved to
+        llama.cpp's defaults (kv_unified off, swa_full on; flash attention
+        "auto" planned as on, the case where layers can split)."""
+        return cls(n_ctx=params.n_ctx, n_gpu_layers=n_gpu_layers, type_k=params.type_k, type_v=params.type_v,
+                   n_seq_max=params.n_seq_max, kv_unified=bool(params.kv_unified),
+                   swa_full=True if params.swa_full is None else params.swa_full, n_batch=params.n_batch,
+                   n_ubatch=params.n_ubatch, flash_attn=params.flash_attn is not False,
+                   offload_kqv=params.offload_kqv, op_offload=op_offload, force_split=force_split)
 
 
 @dataclass(frozen=True)
@@ -172,7 +185,7 @@ class KVLayer:
 def kv_layers(info: ModelInfo, s: Settings, geo: Geometry) -> list[KVLayer]:
     """The attention layers of the cache(s), in the residency report's order
     (by layer; base and SWA caches of an iSWA pair are disjoint)."""
-    qk, qv = _type(s.type_k), _type(s.type_v)
+    qk, qv = ggml_type(s.type_k), ggml_type(s.type_v)
     start = gpu_layer_start(info, s.n_gpu_layers)
     n_main = info.n_layer - info.n_layer_nextn
     v_trans = not s.flash_attn
@@ -186,7 +199,7 @@ def kv_layers(info: ModelInfo, s: Settings, geo: Geometry) -> list[KVLayer]:
             why = "the V cache is transposed (flash attention is off)"
         elif n < 2:
             why = "the layer has a single KV head"
-        elif hk % _block(qk)[0] or hv % _block(qv)[0]:
+        elif hk % block_of(qk)[0] or hv % block_of(qv)[0]:
             why = "the head size is not a multiple of the KV type's block size"
         elif not on_device and not s.force_split:
             why = f"the layer's KV is in host memory already ({FORCE_SPLIT_ENV}=1 splits it anyway)"
@@ -318,8 +331,8 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
     offload_ops = s.op_offload and T >= OP_OFFLOAD_MIN_BATCH
     if w.n_layer_gpu == 0 and not w.output_on_gpu and not offload_ops:
         return 0
-    qk, qv = _type(s.type_k), _type(s.type_v)
-    quantized = _block(qk)[0] > 1 or _block(qv)[0] > 1
+    qk, qv = ggml_type(s.type_k), ggml_type(s.type_v)
+    quantized = block_of(qk)[0] > 1 or block_of(qv)[0] > 1
     f32 = 4
     attn_act = ffn_act = 0
     for il in range(info.n_layer):

@@ -1,11 +1,8 @@
-"""The model side of :mod:`pyllama_headinfer.plan`: what the plan needs of a
+"""The model side of the VRAM plan (:mod:`.plan`): what the plan needs of a
 GGUF model (:class:`ModelInfo`: layers, heads and head sizes per layer, the
 sliding window, the vocabulary and the tensor index), read from its metadata
-by :func:`read_model_info` through :mod:`pyllama_headinfer.gguf_meta` (no
-weight is read), and the plan's exceptions (here, at the bottom of the
-plan modules' imports: plan_model <- plan_memory <- plan).
-
-Import these from :mod:`pyllama_headinfer.plan`, which re-exports them.
+by :func:`read_model_info` through :mod:`.gguf` (no weight is read). The
+plan's exceptions are in :mod:`pyllama_headinfer.errors`.
 """
 
 from __future__ import annotations
@@ -15,30 +12,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pyllama_headinfer.errors import HeadInferError
-from pyllama_headinfer.vram.gguf import GGUFArray, read_gguf
+from pyllama_headinfer.errors import PlanError, UnsupportedModelError
+from pyllama_headinfer.vram.gguf import GGUFArray, GGUFFile, read_gguf
 
 # Architectures whose KV layout this module knows (see read_model_info): a plain
 # attention KV cache per layer, or gemma3's iSWA pair. Others (hybrid and
 # recurrent memories, MLA, shared-KV layers, per-arch SWA rules) would each
 # need their own rules from llama.cpp.
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
-
-
-class PlanError(HeadInferError, ValueError):
-    """The plan cannot be made, or nothing fits the budget."""
-
-
-class UnsupportedModelError(PlanError):
-    """The model's architecture (or layout) is not one plan knows."""
-
-
-class BudgetTooSmallError(PlanError):
-    """The budget is smaller than the offloaded weights alone."""
-
-
-class NothingFitsError(PlanError):
-    """No head fraction fits the budget."""
 
 
 # --------------------------------------------------------------------------- #
@@ -90,20 +71,17 @@ class ModelInfo:
         return not any(t.name == "output.weight" for t in self.tensors)
 
 
-def _read_gguf(path: Path) -> tuple[dict, list]:
-    """The metadata and the tensor index of a GGUF file, as (key -> value,
+def gguf_index(source: str | os.PathLike | GGUFFile) -> tuple[dict, list]:
+    """The metadata and the tensor index of a GGUF file (a path, or a
+    :class:`GGUFFile` read already), as (key -> value,
     [(name, ggml type id, ne, n_bytes)]), read by
-    :func:`pyllama_headinfer.gguf_meta.read_gguf`: string arrays (the
+    :func:`pyllama_headinfer.vram.gguf.read_gguf`: string arrays (the
     vocabulary) are skipped over, keeping their length (gguf.GGUFReader builds
     numpy views of every token and needs seconds for a 128k vocabulary; this
     needs milliseconds), and the file is checked as check_gguf checks it
     (ModelError for "not a GGUF" and truncated files)."""
-    g = read_gguf(path)
+    g = source if isinstance(source, GGUFFile) else read_gguf(source)
     return g.metadata, [(t.name, t.type, t.ne, t.n_bytes) for t in g.tensors]
-
-
-def _is_array(kv: dict, key: str) -> bool:
-    return isinstance(kv.get(key), GGUFArray)
 
 
 def _scalar(kv: dict, key: str, default=None):
@@ -125,18 +103,24 @@ def _per_layer(kv: dict, key: str, n_layer: int, default=None) -> list | None:
     return [int(v)] * n_layer
 
 
-def read_model_info(path: str | os.PathLike) -> ModelInfo:
+def read_model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
     """Read the layers, heads, head sizes, sliding window, vocabulary and the
-    tensor index of a GGUF model. Raises FileNotFoundError / IsADirectoryError,
-    ModelError (not a GGUF, truncated) or UnsupportedModelError."""
+    tensor index of a GGUF model (a path, or the :class:`GGUFFile` a
+    :class:`~pyllama_headinfer.api.model.Model` read already: no second read).
+    Raises FileNotFoundError / IsADirectoryError, ModelError (not a GGUF,
+    truncated) or UnsupportedModelError."""
     from gguf import GGMLQuantizationType
 
-    path = Path(os.fspath(path))
-    if not path.exists():
-        raise FileNotFoundError(errno.ENOENT, "model file not found", str(path))
-    if path.is_dir():
-        raise IsADirectoryError(errno.EISDIR, "model path is a directory", str(path))
-    meta, gguf_tensors = _read_gguf(path)  # a clear ModelError for "not a GGUF" and truncated files
+    if isinstance(source, GGUFFile):
+        path = source.path
+    else:
+        path = Path(os.fspath(source))
+        if not path.exists():
+            raise FileNotFoundError(errno.ENOENT, "model file not found", str(path))
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "model path is a directory", str(path))
+        source = path
+    meta, gguf_tensors = gguf_index(source)  # a clear ModelError for "not a GGUF" and truncated files
 
     arch = _scalar(meta, "general.architecture")
     if not arch:

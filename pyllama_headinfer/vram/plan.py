@@ -1,14 +1,16 @@
 """Plan before you load: choose the HeadInfer head fraction from a VRAM budget.
 
-    from pyllama_headinfer import plan
+    from pyllama_headinfer.params import ContextParams
+    from pyllama_headinfer.vram.plan import frac_for_budget, plan_kv
 
-    p = plan.plan_kv("model.gguf", n_ctx=32768, vram_budget="24GiB", n_gpu_layers=99)
+    params = ContextParams(n_ctx=32768, headinfer_vram_budget="24GiB")
+    p = plan_kv("model.gguf", params, n_gpu_layers=99)
     print(p.format())          # the table: one row per g = 1 .. n_head_kv
     p.frac                     # headinfer_gpu_heads_frac for the largest g that fits
-    plan.frac_for_budget("model.gguf", 32768, "24GiB")   # the same, or an error saying what would fit
+    frac_for_budget("model.gguf", params)   # the same, or an error saying what would fit
 
 Everything is computed from the GGUF file's metadata and tensor index (read
-by :mod:`pyllama_headinfer.gguf_meta`, which walks the mapped file; no weight
+by :mod:`pyllama_headinfer.vram.gguf`, which walks the mapped file; no weight
 is read) and from
 the rules of the pinned llama.cpp (b11312), restated here with the source
 they come from:
@@ -37,29 +39,28 @@ they come from:
 The device total adds the offloaded weights and a compute-buffer *estimate*
 (see :func:`compute_estimate` and docs/PLAN.md for its basis and limits).
 
-Where the code is (import every name from here; the others re-export):
+Where the code is (each name in one module; import it from there):
 
-* ``plan.py`` (this module) -- the public API: :func:`plan_kv`,
-  :func:`frac_for_budget`, :func:`plan_for_context`, :class:`Plan` (its table,
-  its choice, the error when nothing fits and what would), :class:`Row`,
-  :func:`frac_for_g`, :func:`parse_size` / :func:`format_bytes`,
+* :mod:`.plan` (this module) -- :func:`plan_kv`, :func:`frac_for_budget`,
+  :func:`plan_for_context`, :class:`Plan` (its table, its choice, the error
+  when nothing fits and what would), :class:`Row`, :func:`frac_for_g`,
   :func:`force_split_from_env`;
-* ``plan_model.py`` -- the model: :class:`ModelInfo` / :class:`TensorInfo`,
-  :func:`read_model_info` (per-layer metadata, the SWA pattern),
-  ``SUPPORTED_ARCHS``, and the exceptions (:class:`PlanError`,
-  :class:`UnsupportedModelError`, :class:`BudgetTooSmallError`,
-  :class:`NothingFitsError`);
-* ``plan_memory.py`` -- the bytes: :class:`Settings` -> :func:`geometry`,
-  :func:`gpu_layer_start`, :func:`kv_layers`, :func:`n_resident`,
-  :func:`row_size`, :func:`cuda_alloc_size`, :func:`weights`,
-  :func:`compute_estimate`; ``KV_TYPES`` and llama.cpp's constants;
-* ``gguf_meta.py`` -- the GGUF reader (shared with the pre-flight
-  ``check_gguf``).
+* :mod:`.model` -- the model: :class:`~.model.ModelInfo`,
+  :func:`~.model.read_model_info` (per-layer metadata, the SWA pattern),
+  ``SUPPORTED_ARCHS``;
+* :mod:`.memory` -- the bytes: :class:`~.memory.Settings` (a
+  :class:`~pyllama_headinfer.params.ContextParams` resolved to llama.cpp's
+  defaults) -> :func:`~.memory.geometry`, :func:`~.memory.kv_layers`,
+  :func:`~.memory.n_resident`, :func:`~.memory.weights`,
+  :func:`~.memory.compute_estimate`, llama.cpp's constants;
+* :mod:`.gguf` -- the GGUF reader (shared with the pre-flight ``check_gguf``);
+* :mod:`pyllama_headinfer.params` -- the context's parameters, the KV
+  types, :func:`~pyllama_headinfer.params.parse_size`;
+* :mod:`pyllama_headinfer.errors` -- :class:`PlanError` and its subclasses.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import asdict, dataclass, field, replace
@@ -68,64 +69,11 @@ from typing import Sequence
 
 import numpy as np
 
-from pyllama_headinfer.vram import model as plan_model
-from pyllama_headinfer.vram.memory import FORCE_SPLIT_ENV, KV_TYPES, PAD_CTX, Geometry, KVLayer, Settings, Weights, _block, _type, compute_estimate, cuda_alloc_size, geometry, gpu_layer_start, kv_layers, n_resident, row_size, weights
-from pyllama_headinfer.vram.model import SUPPORTED_ARCHS, BudgetTooSmallError, ModelInfo, NothingFitsError, PlanError, TensorInfo, UnsupportedModelError, read_model_info
-
-# the GGUF walk read_model_info uses (tests/test_plan.py checks it against gguf.GGUFReader)
-_read_gguf = plan_model._read_gguf
-
-
-# --------------------------------------------------------------------------- #
-# sizes
-# --------------------------------------------------------------------------- #
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 2**10, "kib": 2**10, "kb": 10**3,
-    "m": 2**20, "mib": 2**20, "mb": 10**6,
-    "g": 2**30, "gib": 2**30, "gb": 10**9,
-    "t": 2**40, "tib": 2**40, "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(value) -> int:
-    """Bytes from an int/float or a string like ``"24GiB"``, ``"24 GB"``,
-    ``"512M"``, ``"1e9"`` is not accepted. KiB/MiB/GiB/TiB and the bare
-    K/M/G/T are binary (2**10 ...), KB/MB/GB/TB decimal; no unit = bytes."""
-    if isinstance(value, bool):
-        raise ValueError(f"a size must be bytes or a string like '24GiB', got {value!r}")
-    if isinstance(value, (int, np.integer)):
-        n = int(value)
-    elif isinstance(value, (float, np.floating)):
-        if not math.isfinite(value):
-            raise ValueError(f"a size must be finite, got {value!r}")
-        n = int(value)
-    elif isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        unit = m.group(2).lower() if m else None
-        if not m or unit not in _UNITS:
-            raise ValueError(f"cannot read {value!r} as a size: use bytes or a number with a unit "
-                             "(KiB, MiB, GiB, TiB, K, M, G, T = binary; KB, MB, GB, TB = decimal)")
-        n = int(float(m.group(1)) * _UNITS[unit])
-    else:
-        raise ValueError(f"a size must be bytes or a string like '24GiB', got {value!r}")
-    if n <= 0:
-        raise ValueError(f"a size must be positive, got {value!r}")
-    return n
-
-
-def format_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    if n < 2**10:
-        return f"{n} B"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"  # pragma: no cover
-
+from pyllama_headinfer.params import ContextParams, format_bytes, parse_size
+from pyllama_headinfer.vram.gguf import GGUFFile
+from pyllama_headinfer.vram.memory import FORCE_SPLIT_ENV, PAD_CTX, Geometry, KVLayer, Settings, Weights, block_of, ggml_type, compute_estimate, cuda_alloc_size, geometry, gpu_layer_start, kv_layers, n_resident, row_size, weights
+from pyllama_headinfer.errors import BudgetTooSmallError, NothingFitsError, PlanError, UnsupportedModelError
+from pyllama_headinfer.vram.model import ModelInfo, read_model_info
 
 # --------------------------------------------------------------------------- #
 # the plan
@@ -300,7 +248,7 @@ class Plan:
 
 def _row(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequence[KVLayer], w: Weights, frac: float,
          g: int, budget: int | None, margin: int) -> Row:
-    qk, qv = _type(s.type_k), _type(s.type_v)
+    qk, qv = ggml_type(s.type_k), ggml_type(s.type_v)
     res = [n_resident(x, frac) for x in layers]
     rk = rv = hk = hv = dkv = dalloc = hostkv = 0
     for x, r in zip(layers, res):
@@ -377,7 +325,7 @@ def _suggest(plan: Plan) -> list[str]:
                 out.append(f"fewer GPU layers: n_gpu_layers {k} ({best(p)})")
             break
     def bytes_per_value(t: str) -> float:
-        block, size = _block(_type(t))
+        block, size = block_of(ggml_type(t))
         return size / block
 
     for t in ("q8_0", "q4_0"):
@@ -409,30 +357,26 @@ def _suggest(plan: Plan) -> list[str]:
     return out
 
 
-def plan_kv(model: str | os.PathLike | ModelInfo, n_ctx: int, vram_budget=None, *, n_gpu_layers: int = -1,
-            type_k: str = "f16", type_v: str = "f16", n_seq_max: int = 1, kv_unified: bool = False,
-            swa_full: bool = True, n_batch: int = 512, n_ubatch: int = 512, flash_attn: bool = True,
-            offload_kqv: bool = True, op_offload: bool = True, force_split: bool = False, margin=0) -> Plan:
-    """Plan the KV cache of ``model`` (a GGUF path or a :class:`ModelInfo`) for
-    a context of ``n_ctx`` tokens: one :class:`Row` per g = 1 .. n_head_kv, and
-    with ``vram_budget`` (bytes or a string like "24GiB") the largest g whose
-    estimated device total plus ``margin`` fits (``Plan.chosen``; ``Plan.frac``).
+def plan_kv(model: str | os.PathLike | GGUFFile | ModelInfo, params: ContextParams, *, n_gpu_layers: int = -1,
+            force_split: bool = False, margin=0, op_offload: bool = True) -> Plan:
+    """Plan the KV cache of ``model`` (a GGUF path, a :class:`GGUFFile` already
+    read, or a :class:`ModelInfo`) for a context with ``params``: one
+    :class:`Row` per g = 1 .. n_head_kv, and with
+    ``params.headinfer_vram_budget`` the largest g whose estimated device total
+    plus ``margin`` fits (``Plan.chosen``; ``Plan.frac``).
 
-    The other parameters are the context's and the model's (``n_gpu_layers``
-    -1 = all); ``force_split`` plans as ``LLAMA_HEADINFER_FORCE_SPLIT=1`` runs
-    (layers in host memory split too). When nothing fits, ``Plan.chosen`` is
-    None and ``Plan.suggestions`` says what would fit."""
+    ``n_gpu_layers`` is the model's (-1 = all); ``force_split`` plans as
+    ``LLAMA_HEADINFER_FORCE_SPLIT=1`` runs (layers in host memory split too).
+    When nothing fits, ``Plan.chosen`` is None and ``Plan.suggestions`` says
+    what would fit."""
     info = model if isinstance(model, ModelInfo) else read_model_info(model)
-    for name, value in (("n_ctx", n_ctx), ("n_gpu_layers", n_gpu_layers), ("n_seq_max", n_seq_max),
-                        ("n_batch", n_batch), ("n_ubatch", n_ubatch)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"{name} must be an int, got {value!r}")
-    s = Settings(n_ctx=int(n_ctx), n_gpu_layers=int(n_gpu_layers), type_k=str(type_k).lower(),
-                 type_v=str(type_v).lower(), n_seq_max=int(n_seq_max), kv_unified=bool(kv_unified),
-                 swa_full=bool(swa_full), n_batch=int(n_batch), n_ubatch=int(n_ubatch), flash_attn=bool(flash_attn),
-                 offload_kqv=bool(offload_kqv), op_offload=bool(op_offload), force_split=bool(force_split))
-    _type(s.type_k), _type(s.type_v)
-    budget = None if vram_budget is None else parse_size(vram_budget)
+    if not isinstance(params, ContextParams):
+        raise TypeError(f"params must be a ContextParams, got {type(params).__name__}")
+    if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, (int, np.integer)):
+        raise ValueError(f"n_gpu_layers must be an int, got {n_gpu_layers!r}")
+    s = Settings.from_params(params, n_gpu_layers=int(n_gpu_layers), force_split=bool(force_split),
+                             op_offload=bool(op_offload))
+    budget = params.vram_budget_bytes
     margin = 0 if not margin else parse_size(margin)
     plan = _compute(info, s, budget, margin)
     if budget is not None and plan.chosen is None:
@@ -440,23 +384,21 @@ def plan_kv(model: str | os.PathLike | ModelInfo, n_ctx: int, vram_budget=None, 
     return plan
 
 
-def frac_for_budget(model: str | os.PathLike | ModelInfo, n_ctx: int, vram_budget, **kwargs) -> float:
-    """``headinfer_gpu_heads_frac`` for the largest g that fits ``vram_budget``
-    (1.0 when everything fits unsplit). Raises BudgetTooSmallError when the
-    offloaded weights alone exceed the budget, NothingFitsError when no g fits;
-    both say what would. Keyword arguments as :func:`plan_kv`."""
-    if vram_budget is None:
-        raise ValueError("frac_for_budget needs a vram_budget")
-    return plan_kv(model, n_ctx, vram_budget, **kwargs).frac
+def frac_for_budget(model: str | os.PathLike | GGUFFile | ModelInfo, params: ContextParams, **kwargs) -> float:
+    """``headinfer_gpu_heads_frac`` for the largest g that fits
+    ``params.headinfer_vram_budget`` (1.0 when everything fits unsplit).
+    Raises BudgetTooSmallError when the offloaded weights alone exceed the
+    budget, NothingFitsError when no g fits; both say what would. Keyword
+    arguments as :func:`plan_kv`."""
+    if params.headinfer_vram_budget is None:
+        raise ValueError("frac_for_budget needs params with a headinfer_vram_budget")
+    return plan_kv(model, params, **kwargs).frac
 
 
-def plan_for_context(model_path: str | os.PathLike, vram_budget, *, n_gpu_layers: int, gpu_offload: bool,
-                     n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int, type_k: str, type_v: str,
-                     flash_attn: bool | None, offload_kqv: bool, kv_unified: bool | None,
-                     swa_full: bool | None) -> Plan | None:
-    """The plan behind ``Context(..., headinfer_vram_budget=...)``: the
-    context's parameters (None = llama.cpp's defaults; flash_attn None (auto)
-    is planned as on) and where its model's layers are.
+def plan_for_context(model: str | os.PathLike | GGUFFile | ModelInfo, params: ContextParams, *,
+                     n_gpu_layers: int, gpu_offload: bool) -> Plan | None:
+    """The plan behind a context created with ``params.headinfer_vram_budget``:
+    the context's parameters and where its model's layers are.
 
     On a build without GPU offload nothing is on a device: with
     LLAMA_HEADINFER_FORCE_SPLIT=1, which makes llama.cpp split every layer as
@@ -466,10 +408,7 @@ def plan_for_context(model_path: str | os.PathLike, vram_budget, *, n_gpu_layers
     force = force_split_from_env()
     if not gpu_offload and not force:
         return None
-    p = plan_kv(model_path, n_ctx, vram_budget, n_gpu_layers=n_gpu_layers if gpu_offload else -1,
-                type_k=type_k, type_v=type_v, n_seq_max=n_seq_max, kv_unified=bool(kv_unified),
-                swa_full=True if swa_full is None else swa_full, n_batch=n_batch, n_ubatch=n_ubatch,
-                flash_attn=flash_attn is not False, offload_kqv=offload_kqv, force_split=force)
+    p = plan_kv(model, params, n_gpu_layers=n_gpu_layers if gpu_offload else -1, force_split=force)
     emulated = "" if gpu_offload else \
         f" (a build without GPU offload under {FORCE_SPLIT_ENV}=1: planned as if every layer were offloaded)"
     if emulated:
@@ -488,10 +427,3 @@ def force_split_from_env(environ=os.environ) -> bool:
     m = re.match(r"\s*[+-]?\d+", v)
     return bool(m and int(m.group(0)) != 0)
 
-
-__all__ = ["plan_kv", "frac_for_budget", "read_model_info", "parse_size", "format_bytes", "Plan", "Row",
-           "Settings", "Geometry", "ModelInfo", "KVLayer", "Weights", "PlanError", "UnsupportedModelError",
-           "BudgetTooSmallError", "NothingFitsError", "SUPPORTED_ARCHS", "KV_TYPES", "frac_for_g",
-           "compute_estimate", "kv_layers", "geometry", "weights", "gpu_layer_start", "n_resident",
-           "force_split_from_env", "plan_for_context", "row_size", "cuda_alloc_size",
-           "TensorInfo"]
