@@ -1,4 +1,4 @@
-"""The ``bench`` command and :mod:`pyllama_headinfer.bench` on the CPU.
+"""The ``bench`` command and :mod:`pyllama_headinfer.api.bench` on the CPU.
 
 The timings themselves are not asserted (benchmarks, not tests); what is: the
 sweep covers every point in order, the KV bytes come from llama.cpp's
@@ -91,7 +91,7 @@ def test_bench_cli_a_failing_point_is_reported_and_the_rest_measured(gguf_models
     (["--fracs", "1,abc"], "cannot read fractions"),
     (["--fracs", "1.5"], "headinfer_gpu_heads_frac"),
     (["--depths", "-4"], "cannot read depths"),
-    (["--vram-budget", "8GiB", "--fracs", "0.5"], "not both"),
+    (["--vram-budget", "8GiB", "--fracs", "0.5"], "not allowed with argument"),
     (["--vram-budget", "lots"], "cannot read 'lots' as a size"),
     (["-n", "0"], "must be >= 1"),
 ])
@@ -104,4 +104,4 @@ def test_bench_cli_bad_input_is_a_usage_error(argv, message, gguf_models, capsys
 def test_bench_cli_missing_model(tmp_path, capsys):
     rc = cli.main(["bench", "-m", str(tmp_path / "nope.gguf"), "--depths", "0"])
     err = capsys.readouterr().err
-    assert rc == 1 and "model file not found" in err and "Traceback" not in err
+    assert rc == 2 and "model file not found" in err and "Traceback" not in err

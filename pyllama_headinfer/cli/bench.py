@@ -8,7 +8,8 @@ layers' own buffers (the GPU's when offloaded) and in the HeadInfer host halves
 (see :mod:`pyllama_headinfer.bench`). With matplotlib installed, a plot of
 decode tokens/s and device KV against the fraction is saved (``--plot``,
 default ``bench-<model>.png``; ``--no-plot`` to skip). For llama.cpp's own
-tool, ``build --tools`` gives ``llama-bench -hgf 1,0.5,...``.
+tool, ``build --tools`` gives ``llama-bench -hgf 1,0.5,...``. Exit status 1
+when a point could not be measured, 2 for bad input.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ import logging
 import sys
 from pathlib import Path
 
+from pyllama_headinfer.api.bench import run_sweep, sweep_points
+from pyllama_headinfer.api.model import Model
+from pyllama_headinfer.errors import EXIT_FAILURE, EXIT_OK
+from pyllama_headinfer.params import KV_CACHE_TYPES, check_headinfer_frac, parse_size
+
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
@@ -27,10 +33,11 @@ DEFAULT_FRACS = "1,0.75,0.5,0.25"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", required=True, help="GGUF model file")
-    parser.add_argument("--fracs", default=None,
-                        help="comma-separated HeadInfer fractions (default 1,0.75,0.5,0.25)")
-    parser.add_argument("--vram-budget", default=None,
-                        help="instead of --fracs: derive the fraction from this GPU memory budget at every depth")
+    headinfer = parser.add_mutually_exclusive_group()
+    headinfer.add_argument("--fracs", default=None,
+                           help="comma-separated HeadInfer fractions (default 1,0.75,0.5,0.25)")
+    headinfer.add_argument("--vram-budget", default=None,
+                           help="instead of --fracs: derive the fraction from this GPU memory budget at every depth")
     parser.add_argument("--depths", default="0,4096", help="comma-separated context depths (default 0,4096)")
     parser.add_argument("--types", default="f16",
                         help="comma-separated KV types, K:V for different ones, e.g. f16,q8_0,q8_0:f16 (default f16)")
@@ -57,8 +64,6 @@ def _list(text: str, convert, what: str) -> list:
 
 
 def parse_kv_types(text: str) -> list[tuple[str, str]]:
-    from pyllama_headinfer.api.context import KV_CACHE_TYPES
-
     pairs = []
     for item in _list(text, str, "KV types"):
         k, _, v = item.partition(":")
@@ -126,35 +131,14 @@ def save_plot(results, path: Path, title: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except (FileNotFoundError, IsADirectoryError, ValueError) as exc:  # bad model path, bad budget, ...
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-
-
-def _run(args: argparse.Namespace) -> int:
-    from pyllama_headinfer.api.context import check_headinfer_frac
-    from pyllama_headinfer.api.bench import run_sweep, sweep_points
-    from pyllama_headinfer.llama import Model
-
-    try:
-        if args.fracs is not None and args.vram_budget is not None:
-            raise ValueError("give --fracs or --vram-budget, not both")
-        fracs = [check_headinfer_frac(f) for f in _list(DEFAULT_FRACS if args.fracs is None else args.fracs, float, "fractions")]
-        depths = _list(args.depths, _depth, "depths")
-        kv_types = parse_kv_types(args.types)
-        if args.vram_budget is not None:
-            from pyllama_headinfer.vram.plan import parse_size
-
-            parse_size(args.vram_budget)
-        if args.n_gen < 1 or args.repeat < 1 or args.batch < 1:
-            raise ValueError("-n, --repeat and --batch must be >= 1")
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not getattr(args, "verbose", False):
-        logging.getLogger("pyllama_headinfer.llama").setLevel(logging.WARNING)  # llama.cpp's INFO is chatty
+    fracs = [check_headinfer_frac(f) for f in _list(DEFAULT_FRACS if args.fracs is None else args.fracs, float,
+                                                    "fractions")]
+    depths = _list(args.depths, _depth, "depths")
+    kv_types = parse_kv_types(args.types)
+    if args.vram_budget is not None:
+        parse_size(args.vram_budget)
+    if args.n_gen < 1 or args.repeat < 1 or args.batch < 1:
+        raise ValueError("-n, --repeat and --batch must be >= 1")
 
     points = sweep_points(fracs, depths, kv_types, args.vram_budget)
     with Model(args.model, n_gpu_layers=args.ngl) as model:
@@ -177,4 +161,4 @@ def _run(args: argparse.Namespace) -> int:
             log.info("plot saved to %s", path)
         elif args.plot is not None:
             log.warning("no plot: matplotlib is not installed")
-    return 1 if any(r.error is not None for r in results) else 0
+    return EXIT_FAILURE if any(r.error is not None for r in results) else EXIT_OK

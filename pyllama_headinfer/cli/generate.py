@@ -13,21 +13,29 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import logging
 import sys
 import time
+
+from pyllama_headinfer.api.context import Context
+from pyllama_headinfer.api.model import Model
+from pyllama_headinfer.api.residency import format_kv_residency, split_summary
+from pyllama_headinfer.api.sampler import Sampler
+from pyllama_headinfer.errors import EXIT_OK, UsageError
+from pyllama_headinfer.params import ContextParams
+from pyllama_headinfer.runtime import bindings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", required=True, help="GGUF model file")
     parser.add_argument("--prompt", "-p", required=True, help="prompt text")
     parser.add_argument("-n", "--n-predict", dest="n", type=int, default=64, help="tokens to generate (default 64)")
-    parser.add_argument("--frac", type=float, default=1.0,
-                        help="HeadInfer: fraction of each layer's KV heads kept on the device, in [0, 1] "
-                             "(default 1.0 = off)")
-    parser.add_argument("--vram-budget", default=None,
-                        help="HeadInfer: derive the fraction from a GPU memory budget, e.g. 24GiB (instead of "
-                             "--frac; see the plan command)")
+    headinfer = parser.add_mutually_exclusive_group()
+    headinfer.add_argument("--frac", type=float, default=None,
+                           help="HeadInfer: fraction of each layer's KV heads kept on the device, in [0, 1] "
+                                "(default 1.0 = off)")
+    headinfer.add_argument("--vram-budget", default=None,
+                           help="HeadInfer: derive the fraction from a GPU memory budget, e.g. 24GiB (instead of "
+                                "--frac; see the plan command)")
     parser.add_argument("--ngl", "--n-gpu-layers", dest="ngl", type=int, default=0,
                         help="layers to offload to the GPU (-1 = all; default 0)")
     parser.add_argument("--ctx", "-c", type=int, default=4096, help="context size (default 4096)")
@@ -46,48 +54,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the text once at the end instead of token by token")
 
 
+def context_params(args: argparse.Namespace) -> ContextParams:
+    """The context the arguments ask for (checked: a bad value is a ValueError naming it)."""
+    return ContextParams(n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.batch, n_threads=args.threads,
+                         flash_attn=args.flash_attn, type_k=args.cache_type_k, type_v=args.cache_type_v,
+                         headinfer_gpu_heads_frac=args.frac, headinfer_vram_budget=args.vram_budget)
+
+
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except (FileNotFoundError, IsADirectoryError, ValueError) as exc:  # bad model path, bad --frac, ...
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-
-
-def _run(args: argparse.Namespace) -> int:
-    from pyllama_headinfer.llama import Context, Model, Sampler, check_headinfer_frac, format_kv_residency
-    from pyllama_headinfer.runtime import bindings
-
-    check_headinfer_frac(args.frac)  # before the (slow) model load
-    if args.vram_budget is not None:
-        from pyllama_headinfer.vram.plan import parse_size
-
-        parse_size(args.vram_budget)
-        if args.frac != 1.0:
-            raise ValueError("give --frac or --vram-budget, not both")
-
-    if not getattr(args, "verbose", False):
-        # llama.cpp is chatty at INFO; the CLI shows its warnings and errors only.
-        logging.getLogger("pyllama_headinfer.llama").setLevel(logging.WARNING)
+    params = context_params(args)  # before the (slow) model load
     if args.n < 0:
-        print("error: -n must be >= 0", file=sys.stderr)
-        return 2
+        raise UsageError("-n must be >= 0")
     err = sys.stderr
     t0 = time.perf_counter()
     with Model(args.model, n_gpu_layers=args.ngl) as model, \
-            bindings.capture_log() as context_log, \
-            Context(model, n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.batch, n_threads=args.threads,
-                    flash_attn=args.flash_attn, type_k=args.cache_type_k, type_v=args.cache_type_v,
-                    headinfer_gpu_heads_frac=args.frac, headinfer_vram_budget=args.vram_budget) as ctx, \
+            Context(model, params) as ctx, \
             Sampler.from_params(args.temp, args.top_k, args.top_p, args.min_p, args.seed) as sampler:
-        # what the KV cache decided about the split, and why (shown even when llama.cpp's INFO is hidden)
-        split_lines = [text.split(": ", 1)[-1] for level, text in context_log
-                       if "headinfer:" in text and level >= logging.INFO]
         t_load = time.perf_counter() - t0
         prompt = model.tokenize(args.prompt, add_special=True)
         if not prompt:
-            print("error: the prompt tokenizes to nothing", file=sys.stderr)
-            return 2
+            raise UsageError("the prompt tokenizes to nothing")
 
         out = sys.stdout
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -126,10 +112,11 @@ def _run(args: argparse.Namespace) -> int:
             print(f"  {ctx.headinfer_plan.summary()}", file=err)
         elif args.vram_budget is not None:
             print("  --vram-budget ignored: this build has no GPU offload", file=err)
-        for line in split_lines:
-            print(f"  {line}", file=err)
         if bindings.has_kv_residency():
-            print(format_kv_residency(ctx.kv_residency()), file=err)
+            report = ctx.kv_residency()
+            if ctx.headinfer_gpu_heads_frac < 1.0:  # what llama.cpp made of the fraction
+                print(f"  {split_summary(report)}", file=err)
+            print(format_kv_residency(report), file=err)
         else:
             print("KV residency: not available (this libllama has no llama_kv_residency_buffers)", file=err)
-    return 0
+    return EXIT_OK

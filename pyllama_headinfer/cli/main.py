@@ -1,12 +1,23 @@
-"""The ``pyllama-headinfer`` command line.
+"""The ``pyllama-headinfer`` command line: ``main(argv) -> exit status``.
 
-Subcommands are plugged in through :data:`SUBCOMMANDS`: each names a module
-with ``add_arguments(parser)`` and ``run(args) -> int``. Only the module of
-the command being run is imported, so ``--help`` stays fast and a module that
-does not exist yet simply does not show up.
+Each subcommand is a module of this package with ``add_arguments(parser)``
+and ``run(args) -> int``; only the module of the command being run is
+imported, so ``--help`` stays fast.
 
-Exit codes: 0 success, 1 an expected failure (a :class:`HeadInferError`,
-printed as ``error: <message>``), 2 a usage error.
+This is the one place that turns exceptions into messages and exit codes,
+the same for every command (README, "Exit codes"):
+
+- 0: success;
+- 1: the operation failed -- a :class:`HeadInferError` (printed as
+  ``error: <message>``), or a command's own "no" (``patch status`` of a
+  modified tree, ``plan`` when nothing fits, ``bench`` with unmeasured points);
+- 2: bad usage or input -- argparse's errors, a :class:`UsageError`, a
+  ``ValueError`` from checking an argument, a missing model file;
+- 130: interrupted (Ctrl-C).
+
+While a command runs, the package's progress goes to stderr through
+``logging`` and llama.cpp's own log is shown from WARNING up (all of it with
+``-v``); both loggers are put back as they were afterwards.
 """
 
 from __future__ import annotations
@@ -14,15 +25,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import importlib.util
 import logging
 import sys
 from typing import List, NamedTuple, Optional, Sequence
 
 from pyllama_headinfer import __version__, pin
-from pyllama_headinfer.errors import HeadInferError
-
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+from pyllama_headinfer.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, BuildInterrupted, HeadInferError,
+                                      UsageError)
 
 
 class Subcommand(NamedTuple):
@@ -31,18 +40,20 @@ class Subcommand(NamedTuple):
     help: str
 
 
-# One line per subcommand; a module that is not there yet is skipped.
 SUBCOMMANDS: Sequence[Subcommand] = (
-    Subcommand("source", "pyllama_headinfer.source", "fetch, verify or locate the pinned llama.cpp source"),
-    Subcommand("patch", "pyllama_headinfer.patches", "check, apply, revert, inspect or export the patch series"),
-    Subcommand("build", "pyllama_headinfer.build", "configure and compile the patched llama.cpp"),
-    Subcommand("generate", "pyllama_headinfer.generate_cli", "generate text with HeadInfer"),
-    Subcommand("plan", "pyllama_headinfer.plan_cli", "choose the head fraction from a VRAM budget (no weights loaded)"),
-    Subcommand("bench", "pyllama_headinfer.bench_cli", "measure speed and KV memory over frac x depth x KV type"),
+    Subcommand("source", "pyllama_headinfer.cli.source", "fetch, verify or locate the pinned llama.cpp source"),
+    Subcommand("patch", "pyllama_headinfer.cli.patch", "check, apply, revert, inspect or export the patch series"),
+    Subcommand("build", "pyllama_headinfer.cli.build", "configure and compile the patched llama.cpp"),
+    Subcommand("generate", "pyllama_headinfer.cli.generate", "generate text with HeadInfer"),
+    Subcommand("plan", "pyllama_headinfer.cli.plan", "choose the head fraction from a VRAM budget (no weights loaded)"),
+    Subcommand("bench", "pyllama_headinfer.cli.bench", "measure speed and KV memory over frac x depth x KV type"),
 )
 
+# llama.cpp's own log (see pyllama_headinfer.runtime.log) is chatty at INFO
+LLAMA_LOGGER = "pyllama_headinfer.llama"
 
-class _CurrentStderr(logging.StreamHandler):
+
+class CurrentStderr(logging.StreamHandler):
     """Writes to whatever sys.stderr is at the time (pytest swaps it)."""
 
     def __init__(self) -> None:
@@ -57,7 +68,9 @@ class _CurrentStderr(logging.StreamHandler):
         pass
 
 
-class _Formatter(logging.Formatter):
+class Formatter(logging.Formatter):
+    """INFO as the bare message, other levels prefixed (``warning: ...``)."""
+
     def format(self, record: logging.LogRecord) -> str:
         message = super().format(record)
         if record.levelno == logging.INFO:
@@ -66,32 +79,27 @@ class _Formatter(logging.Formatter):
 
 
 @contextlib.contextmanager
-def _cli_logging(verbose: bool):
-    """Progress to stderr while a command runs; the package logger is put
-    back as it was afterwards, so main() called from Python (or tests) leaves
-    no global logging state behind."""
-    logger = logging.getLogger("pyllama_headinfer")
-    saved = (logger.level, logger.propagate)
-    handler = _CurrentStderr()
-    handler.setFormatter(_Formatter("%(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
-    logger.propagate = False  # no second copy through handlers of the root logger
+def cli_logging(verbose: bool):
+    """Progress to stderr while a command runs; the package logger and
+    llama.cpp's are put back as they were afterwards, so main() called from
+    Python (or tests) leaves no global logging state behind."""
+    package = logging.getLogger("pyllama_headinfer")
+    llama = logging.getLogger(LLAMA_LOGGER)
+    saved = (package.level, package.propagate, llama.level)
+    handler = CurrentStderr()
+    handler.setFormatter(Formatter("%(message)s"))
+    package.addHandler(handler)
+    package.setLevel(logging.DEBUG if verbose else logging.INFO)
+    package.propagate = False  # no second copy through handlers of the root logger
+    llama.setLevel(logging.NOTSET if verbose else logging.WARNING)
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        logger.level, logger.propagate = saved
+        package.removeHandler(handler)
+        package.level, package.propagate, llama.level = saved
 
 
-def _available(subcommand: Subcommand) -> bool:
-    try:
-        return importlib.util.find_spec(subcommand.module) is not None
-    except ImportError:
-        return False
-
-
-def _chosen_command(argv: Sequence[str]) -> Optional[str]:
+def chosen_command(argv: Sequence[str]) -> Optional[str]:
     """The first word that is not an option (top-level options take no value)."""
     for word in argv:
         if word == "--":
@@ -110,19 +118,24 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log debugging details to stderr")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__} (llama.cpp {pin.LLAMA_CPP_BUILD})")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    chosen = _chosen_command(argv)
+    chosen = chosen_command(argv)
     for subcommand in SUBCOMMANDS:
-        if not _available(subcommand):
-            continue
         sub = commands.add_parser(subcommand.name, help=subcommand.help, description=subcommand.help)
-        sub.set_defaults(_module=subcommand.module)
+        sub.set_defaults(module=subcommand.module)
         if subcommand.name == chosen:
-            _load(subcommand.module).add_arguments(sub)
+            importlib.import_module(subcommand.module).add_arguments(sub)
     return parser
 
 
-def _load(module_name: str):
-    return importlib.import_module(module_name)
+def exit_status(exc: BaseException) -> int:
+    """The exit status for an exception a command raised (see the module docstring)."""
+    if isinstance(exc, (KeyboardInterrupt, BuildInterrupted)):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, UsageError):
+        return EXIT_USAGE
+    if isinstance(exc, HeadInferError):
+        return EXIT_FAILURE
+    return EXIT_USAGE  # ValueError, FileNotFoundError, IsADirectoryError: the input is wrong
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -132,18 +145,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = parser.parse_args(arguments)
     except SystemExit as exit_:  # argparse: --help/--version (0) or a usage error (2)
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
-    except ImportError as exc:  # a plugged-in command whose module cannot load
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
     if not args.command:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    with _cli_logging(args.verbose):
+    with cli_logging(args.verbose):
         try:
-            return int(_load(args._module).run(args))
-        except HeadInferError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_FAILURE
+            return int(importlib.import_module(args.module).run(args))
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
-            return 130
+            return EXIT_INTERRUPTED
+        except BuildInterrupted as exc:
+            print(f"\n{exc}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except (HeadInferError, ValueError, FileNotFoundError, IsADirectoryError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return exit_status(exc)

@@ -9,7 +9,7 @@ Reads the GGUF metadata and tensor index only (no weights), prints one row per
 g = 1 .. n_head_kv (device KV, host KV, the compute-buffer estimate, the
 estimated device total) and marks the largest g that fits the budget. Exit
 status 1 when nothing fits (the table is still printed; stderr says what
-would fit). See docs/PLAN.md for the formulas.
+would fit), 2 for bad input. See docs/PLAN.md for the formulas.
 """
 
 from __future__ import annotations
@@ -18,19 +18,21 @@ import argparse
 import json
 import sys
 
+from pyllama_headinfer.errors import EXIT_FAILURE, EXIT_OK
+from pyllama_headinfer.params import KV_CACHE_TYPES, ContextParams, parse_size
+from pyllama_headinfer.vram.plan import force_split_from_env, plan_kv
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pyllama_headinfer.vram.plan import KV_TYPES
-
     parser.add_argument("--model", "-m", required=True, help="GGUF model file (only its metadata is read)")
     parser.add_argument("--ctx", "-c", type=int, required=True, help="context size (0 = the model's training context)")
     parser.add_argument("--vram", "--vram-budget", dest="vram", default=None,
                         help="GPU memory budget, e.g. 24GiB, 80GB, 23000MiB (no budget: just the table)")
     parser.add_argument("--ngl", "--n-gpu-layers", dest="ngl", type=int, default=-1,
                         help="layers to offload (-1 = all, the default; llama.cpp counts the output layer as one)")
-    parser.add_argument("--type-k", "--cache-type-k", dest="type_k", default="f16", choices=KV_TYPES,
+    parser.add_argument("--type-k", "--cache-type-k", dest="type_k", default="f16", choices=KV_CACHE_TYPES,
                         help="K cache type (default f16)")
-    parser.add_argument("--type-v", "--cache-type-v", dest="type_v", default="f16", choices=KV_TYPES,
+    parser.add_argument("--type-v", "--cache-type-v", dest="type_v", default="f16", choices=KV_CACHE_TYPES,
                         help="V cache type (default f16)")
     parser.add_argument("--n-seq", dest="n_seq", type=int, default=1,
                         help="parallel sequences (n_seq_max; one KV stream each unless --kv-unified)")
@@ -54,18 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pyllama_headinfer.vram import plan as planlib
-
-    force = planlib.force_split_from_env() if args.force_split is None else args.force_split
-    try:
-        margin = planlib.parse_size(args.margin) if args.margin not in ("0", "", None) else 0
-        p = planlib.plan_kv(args.model, args.ctx, args.vram, n_gpu_layers=args.ngl, type_k=args.type_k,
-                            type_v=args.type_v, n_seq_max=args.n_seq, kv_unified=args.kv_unified,
-                            swa_full=args.swa_full, n_batch=args.batch, n_ubatch=args.batch,
-                            flash_attn=args.flash_attn, force_split=force, margin=margin)
-    except (FileNotFoundError, IsADirectoryError, ValueError) as exc:  # incl. PlanError (a ValueError)
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    force = force_split_from_env() if args.force_split is None else args.force_split
+    margin = parse_size(args.margin) if args.margin not in ("0", "", None) else 0
+    params = ContextParams(n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.batch, n_seq_max=args.n_seq,
+                           flash_attn=args.flash_attn, type_k=args.type_k, type_v=args.type_v,
+                           kv_unified=args.kv_unified, swa_full=args.swa_full, headinfer_vram_budget=args.vram)
+    p = plan_kv(args.model, params, n_gpu_layers=args.ngl, force_split=force, margin=margin)
     nothing_fits = p.budget is not None and p.chosen is None
     if args.json:
         print(json.dumps(p.to_dict(), indent=2))
@@ -74,5 +70,5 @@ def run(args: argparse.Namespace) -> int:
     if nothing_fits:
         sys.stdout.flush()
         print(f"error: {p.error()}", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_FAILURE
+    return EXIT_OK
