@@ -29,6 +29,11 @@ from pyllama_headinfer.pin import PinnedFile
 
 def _git_env(cwd: Path) -> Dict[str, str]:
     env = dict(os.environ)
+    # the user's and the system's git configuration must not change what we
+    # compute (apply's whitespace rules, export's diff format): only the
+    # repository's own config and our -c options apply
+    env["GIT_CONFIG_GLOBAL"] = os.devnull
+    env["GIT_CONFIG_NOSYSTEM"] = "1"
     env["GIT_CEILING_DIRECTORIES"] = str(cwd.parent)
     env["LC_ALL"] = "C"  # we parse git's messages
     env["LANGUAGE"] = ""
@@ -93,14 +98,14 @@ class Workspace:
         return tree_verify.scan_tree(self.root, use_cache=False)
 
 
-def _restrict(listing: Dict[str, PinnedFile], keep: Set[str]) -> Dict[str, PinnedFile]:
+def restrict_listing(listing: Dict[str, PinnedFile], keep: Set[str]) -> Dict[str, PinnedFile]:
     return {p: v for p, v in listing.items() if p in keep}
 
 
-def _without(listing: Dict[str, PinnedFile], drop: Set[str]) -> Dict[str, PinnedFile]:
+def listing_without(listing: Dict[str, PinnedFile], drop: Set[str]) -> Dict[str, PinnedFile]:
     return {p: v for p, v in listing.items() if p not in drop}
 
 
-def _reversed_prefix(series: Series, count: int) -> List[Patch]:
+def reversed_prefix(series: Series, count: int) -> List[Patch]:
     """The first ``count`` patches in the order that undoes them."""
     return list(reversed(series.patches[:count]))
