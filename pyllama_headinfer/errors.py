@@ -17,6 +17,7 @@ anything else is a bug and keeps its traceback.
   ``ContextError``      llama.cpp could not create a context, or refused an operation
   ``DecodeError``       ``llama_decode`` failed (``code``: its return value)
   ``StateError``        saving or restoring a context state failed
+  ``ServeError``        ``serve``: llama-server could not be started (or died while starting)
   ``PlanError``         a VRAM plan that cannot be made (also a ValueError)
     ``UnsupportedModelError``  an architecture the planner does not know
     ``BudgetTooSmallError``    a budget below the offloaded weights
@@ -24,6 +25,9 @@ anything else is a bug and keeps its traceback.
   ``UsageError``        bad input from the caller (also a ValueError):
     ``TokenError``            a token id outside ``[0, n_vocab)``
     ``ContextOverflowError``  tokens that do not fit into the context
+
+``HeadInferWarning`` (a ``UserWarning``, not an exception) says that a
+HeadInfer request could not be honoured (a fraction < 1 that splits no layer).
 
 The API also raises the built-in ``ValueError``/``TypeError`` for bad
 arguments and ``FileNotFoundError``/``IsADirectoryError`` for missing paths,
@@ -89,6 +93,10 @@ class StateError(HeadInferError):
     """Saving or restoring a context state failed."""
 
 
+class ServeError(HeadInferError):
+    """``serve``: the server could not be started (or died while starting)."""
+
+
 class UsageError(HeadInferError, ValueError):
     """The caller's input is wrong (not the operation): exit status 2 at the CLI."""
 
@@ -115,3 +123,8 @@ class BudgetTooSmallError(PlanError):
 
 class NothingFitsError(PlanError):
     """No head fraction fits the budget."""
+
+
+class HeadInferWarning(UserWarning):
+    """A HeadInfer request that llama.cpp could not honour (e.g. a fraction < 1
+    that splits no layer); shown by Python's default warning filter."""

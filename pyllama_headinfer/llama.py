@@ -46,7 +46,7 @@ from pyllama_headinfer.api.model import Model
 from pyllama_headinfer.api.residency import HEADINFER_HOST_SUFFIX, format_kv_residency
 from pyllama_headinfer.api.sampler import Sampler
 from pyllama_headinfer.errors import (ClosedError, ContextError, ContextOverflowError, DecodeError, HeadInferError,
-                                      ModelError, StateError, TokenError)
+                                      HeadInferWarning, ModelError, StateError, TokenError)
 from pyllama_headinfer.params import KV_CACHE_TYPES, ContextParams, check_headinfer_frac
 from pyllama_headinfer.runtime.log import logger
 
@@ -59,5 +59,5 @@ __all__ = [
     "KV_CACHE_TYPES", "HEADINFER_HOST_SUFFIX", "logger",
     # exceptions
     "HeadInferError", "ModelError", "ClosedError", "ContextError", "DecodeError", "TokenError",
-    "ContextOverflowError", "StateError",
+    "ContextOverflowError", "StateError", "HeadInferWarning",
 ]

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -35,6 +36,8 @@ from pyllama_headinfer.errors import BuildError, NotBuiltError
 from pyllama_headinfer.patches.status import State, status
 from pyllama_headinfer.runtime.manifest import find_manifest, read_manifest
 from pyllama_headinfer.series import read_series_names, series_hash
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Captured at import (collection), before the autouse fixture isolates the
 # cache: the real build uses the real cached source tree.
@@ -335,6 +338,47 @@ def test_lock_waits_for_the_holder(tmp_path):
     assert waited > 0.5 and said and "Waiting for another build" in said[0] and f"pid {holder.pid}" in said[0]
 
 
+ORPHAN_CHILD = """
+import sys
+from pathlib import Path
+from pyllama_headinfer.build.lock import build_lock
+from pyllama_headinfer.build.steps import run_logged
+d = Path(sys.argv[1])
+with build_lock(d), open(d / "log", "w") as log:
+    # stands in for ninja: says it started, then works for a while
+    run_logged(["sh", "-c", f"echo $$ > {d}/ninja.pid; exec sleep 60"], log, cwd=d)
+"""
+
+
+def test_lock_outlives_a_killed_build_while_its_ninja_runs(tmp_path):
+    """kill -9 of the build's Python must not let a second build start next to
+    its orphaned ninja (issue 16.4): the lock goes with the child processes."""
+    child = subprocess.Popen([sys.executable, "-c", ORPHAN_CHILD, str(tmp_path)],
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path)))
+    pid_file = tmp_path / "ninja.pid"
+    deadline = time.monotonic() + 60
+    while not (pid_file.is_file() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    orphan = int(pid_file.read_text())
+    try:
+        child.kill()
+        child.wait()
+        with pytest.raises(BuildError, match="has exited, but the compilers it started"):
+            with build_lock(tmp_path, wait=False):
+                pass
+    finally:
+        os.kill(orphan, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the orphan is gone: the directory is free again
+        try:
+            with build_lock(tmp_path, wait=False):
+                break
+        except BuildError:
+            time.sleep(0.05)
+    else:
+        pytest.fail("the lock was not released after the orphan exited")
+
+
 def test_load_manifest_without_build(tmp_path):
     with pytest.raises(NotBuiltError, match="run `python -m pyllama_headinfer build`"):
         read_manifest(tmp_path)
@@ -410,6 +454,27 @@ def test_fake_build_then_up_to_date(fake_toolchain, monkeypatch):
     assert not second.configured
     third = B.build(build_dir=d, bindings=False, out=io.StringIO(), cmake_args=["-DGGML_LTO=ON"])
     assert third.configured
+
+
+def test_a_plain_build_keeps_the_tools_of_the_directory(fake_toolchain, monkeypatch):
+    """`build` after `build --tools` used to drop the tools from the configuration, so
+    the next `build --tools` recompiled them all (139 steps); issue 16.4."""
+    monkeypatch.setenv("FAKE_NINJA_MODE", "ok")
+    d = fake_toolchain / "b"
+    first = B.build(build_dir=d, bindings=False, out=io.StringIO(), tools=True)
+    assert first.configured
+    out = io.StringIO()
+    plain = B.build(build_dir=d, bindings=False, out=out)
+    assert not plain.configured and "Keeping llama-cli, llama-server and llama-bench" in out.getvalue()
+    assert read_manifest(d).data["cmake_options"]["LLAMA_BUILD_TOOLS"] == "ON"
+    again = B.build(build_dir=d, bindings=False, out=io.StringIO(), tools=True)
+    assert not again.configured
+    out = io.StringIO()
+    removed = B.build(build_dir=d, bindings=False, out=out, tools=False)
+    assert removed.configured and "Removing llama-cli" in out.getvalue()
+    assert read_manifest(d).data["cmake_options"]["LLAMA_BUILD_TOOLS"] == "OFF"
+    plain = B.build(build_dir=d, bindings=False, out=io.StringIO())
+    assert not plain.configured
 
 
 def test_fake_build_disk_full(fake_toolchain, monkeypatch):

@@ -20,7 +20,8 @@ from conftest import git, snapshot
 from pyllama_headinfer import paths, pin
 from pyllama_headinfer.errors import SourceError
 from pyllama_headinfer.patches.apply import apply
-from pyllama_headinfer.patches.status import tree_acceptance
+from pyllama_headinfer.patches.series import load_series
+from pyllama_headinfer.patches.status import State, status, tree_acceptance
 from pyllama_headinfer.source import fetch, tree_verify
 from pyllama_headinfer.source.archive import extract_subtree
 
@@ -259,6 +260,31 @@ def test_fetch_from_a_github_style_archive(fake_pin, http_server, monkeypatch, n
     assert http_server.requests == ["/archive.tar.gz"]
 
 
+def test_fetch_force_keeps_the_times_of_unchanged_files(fake_pin, http_server, monkeypatch, no_pypi):
+    """`source fetch --force` (the recipe for an edited cache) must not make the
+    next build recompile everything: unchanged files, and patched files that
+    the build patches back to the same bytes, keep their times (issue 16.4)."""
+    from pyllama_headinfer.build.series_swap import prepare_source
+
+    github_like_archive(fake_pin.repo, fake_pin.base, http_server.root / "archive.tar.gz")
+    monkeypatch.setenv(fetch.ARCHIVE_URL_ENV, f"{http_server.url}/archive.tar.gz")
+    tree, _ = prepare_source(None, False, lambda msg: None)  # fetch + apply the (fake) series
+    assert status(tree).state == State.APPLIED
+    old = 1_000_000_000 * 1_500_000_000  # 2017: older than anything a build makes
+    files = [p for p in tree.rglob("*") if p.is_file() and not p.is_symlink()]
+    for path in files:
+        os.utime(path, ns=(old, old))
+    patched = load_series().touched
+    edited = next(str(p.relative_to(tree)) for p in files if str(p.relative_to(tree)) not in patched)
+    (tree / edited).write_text("hand edit\n")  # the reason to run fetch --force
+
+    assert fetch.fetch_source(force=True) == tree
+    again, _ = prepare_source(None, False, lambda msg: None)
+    assert again == tree and status(tree).state == State.APPLIED
+    newer = sorted(str(p.relative_to(tree)) for p in files if p.exists() and p.stat().st_mtime_ns != old)
+    assert newer == [edited], patched
+
+
 def test_wrong_archive_is_rejected_and_deleted(fake_pin, http_server, monkeypatch, no_pypi):
     other = git(fake_pin.repo, "rev-parse", "HEAD").decode().strip()
     github_like_archive(fake_pin.repo, other, http_server.root / "archive.tar.gz")
@@ -286,7 +312,7 @@ def test_a_tree_installed_by_a_concurrent_fetch_is_kept(tmp_path):
     assert (final / "theirs").exists()
     assert fetch.install_tree(staged, final, replace=True) == final
     assert not (final / "theirs").exists() and not staged.exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["final"]
+    assert [p.name for p in tmp_path.iterdir() if p.name != "cache"] == ["final"]  # cache: isolated_cache's
 
 
 def test_path_traversal_archive_is_refused(fake_pin, http_server, monkeypatch, no_pypi, tmp_path):
@@ -400,3 +426,13 @@ def test_project_paths(monkeypatch, tmp_path):
     assert paths.patches_dir() == root / "patches"
     monkeypatch.setenv(paths.PATCHES_ENV, str(tmp_path))
     assert paths.patches_dir() == tmp_path
+
+
+def test_an_unreachable_archive_host_is_one_short_line(isolated_cache, monkeypatch, tmp_path):
+    """Before the PyPI fallback, an unreachable GitHub used to log a long NameResolutionError repr (16.8)."""
+    monkeypatch.setenv(fetch.ARCHIVE_URL_ENV, "https://host.invalid/llama.cpp.tar.gz")  # RFC 6761: never resolves
+    with pytest.raises(SourceError) as err:
+        fetch._download_github_archive(tmp_path)
+    message = str(err.value)
+    assert "host.invalid" in message and "\n" not in message and len(message) < 200, message
+    assert "NameResolutionError" not in message and "object at 0x" not in message, message

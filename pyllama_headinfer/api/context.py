@@ -10,21 +10,50 @@ the HeadInfer residency report is read by :mod:`.residency`.
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import warnings
 
 from pyllama_headinfer.api.decoding import Decoding
-from pyllama_headinfer.api.handle import Handle
+from pyllama_headinfer.api.handle import Handle, serialized
 from pyllama_headinfer.api.model import Model
-from pyllama_headinfer.api.residency import read_kv_residency
+from pyllama_headinfer.api.residency import kv_residency_totals, read_kv_residency
 from pyllama_headinfer.api.sequences import Sequences
 from pyllama_headinfer.api.state import StateIO
-from pyllama_headinfer.errors import ContextError
+from pyllama_headinfer.errors import ContextError, HeadInferWarning
 from pyllama_headinfer.params import ContextParams, format_bytes
-from pyllama_headinfer.runtime.log import checked_call
-from pyllama_headinfer.vram.plan import Plan, plan_for_context
+from pyllama_headinfer.runtime.log import capture_log, checked_call
+from pyllama_headinfer.vram.plan import Plan, plan_for_context, plan_kv
 
 # The API's logger keeps the name of the public module (documented, and what
 # the runtime routes llama.cpp's own log to).
 logger = logging.getLogger("pyllama_headinfer.llama")
+
+_HUGE_N_CTX = 1 << 20  # above this (and the model's training context) the KV size is checked first
+
+
+def _check_kv_fits_the_machine(model: Model, params: ContextParams, ffi, lib) -> None:
+    """Refuse a context whose KV cache alone exceeds all the memory of this
+    machine (RAM + devices): llama.cpp would spend a long time (30 s for
+    n_ctx = 2**31 - 1) before failing with std::bad_alloc."""
+    try:
+        whole = params.replace(headinfer_gpu_heads_frac=None, headinfer_vram_budget=None)
+        row = plan_kv(model.gguf, whole).rows[-1]  # g = n_head_kv: the whole cache
+    except Exception as exc:  # noqa: BLE001 - an estimate only; llama.cpp has the last word
+        logger.debug("no KV size estimate before creating the context: %s", exc)
+        return
+    kv = row.device_kv + row.host_kv
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    free, total = ffi.new("size_t *"), ffi.new("size_t *")
+    for i in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(i)
+        if lib.ggml_backend_dev_type(dev) != lib.GGML_BACKEND_DEVICE_TYPE_CPU:
+            lib.ggml_backend_dev_memory(dev, free, total)
+            memory += int(total[0])
+    if kv > memory:
+        raise ContextError(f"n_ctx={params.n_ctx} needs {format_bytes(kv)} of KV cache "
+                           f"({params.type_k}/{params.type_v}), more than all the memory of this machine "
+                           f"({format_bytes(memory)}, RAM and devices)")
 
 
 class Context(Decoding, Sequences, StateIO, Handle):
@@ -41,6 +70,18 @@ class Context(Decoding, Sequences, StateIO, Handle):
     at load time -- the largest g whose estimated device total fits (see
     :mod:`pyllama_headinfer.vram.plan`; the plan is kept as
     ``headinfer_plan``). ``headinfer_gpu_heads_frac`` is the fraction used.
+    A fraction < 1 that splits no layer gives a :class:`HeadInferWarning`
+    (with llama.cpp's reasons); one that does, an INFO log line.
+
+    Threads: a Context may be shared between threads; its operations are
+    serialized by a lock (llama.cpp's context is not thread-safe: two
+    concurrent decodes abort the process). Each call holds the lock while it
+    runs, and a :meth:`generate` generator holds it from its first token
+    until it is exhausted or closed, so two threads generating on one
+    Context get the same tokens as if they had run one after the other.
+    For parallel work, use one Context per thread (they share the Model).
+    A generator left suspended blocks other threads: consume it or
+    ``close()`` it.
     """
 
     _kind = "context"
@@ -48,6 +89,7 @@ class Context(Decoding, Sequences, StateIO, Handle):
     def __init__(self, model: Model, params: ContextParams | None = None, **kwargs):
         self._handle = None
         self._batch = None
+        self._lock = threading.RLock()
         if params is None:
             params = ContextParams(**kwargs)
         elif not isinstance(params, ContextParams):
@@ -78,14 +120,19 @@ class Context(Decoding, Sequences, StateIO, Handle):
         if params.swa_full is not None:
             p.swa_full = params.swa_full
         p.headinfer_gpu_heads_frac = frac
-        ptr = checked_call(lib.llama_init_from_model, mptr, p, ok=lambda c: c != ffi.NULL,
-                           error=lambda _, reason: ContextError(f"llama.cpp could not create the context: {reason}"))
+        if params.n_ctx > max(model.n_ctx_train, _HUGE_N_CTX):
+            _check_kv_fits_the_machine(model, params, ffi, lib)
+        with capture_log() as log:  # also for _report_split: llama.cpp's reasons for not splitting
+            ptr = checked_call(lib.llama_init_from_model, mptr, p, ok=lambda c: c != ffi.NULL,
+                               error=lambda _, reason: ContextError(f"llama.cpp could not create the context: "
+                                                                    f"{reason}"))
         self._handle = ffi.gc(ptr, lib.llama_free)
         self.model = model
         model._contexts.add(self)
         self.headinfer_gpu_heads_frac = frac
         self._mem = lib.llama_get_memory(ptr)
         self.n_ctx = int(lib.llama_n_ctx(ptr))
+        self.n_ctx_requested = params.n_ctx  # 0 = the model's training context
         self.n_ctx_seq = int(lib.llama_n_ctx_seq(ptr))
         self.n_batch = int(lib.llama_n_batch(ptr))
         self.n_ubatch = int(lib.llama_n_ubatch(ptr))
@@ -94,6 +141,28 @@ class Context(Decoding, Sequences, StateIO, Handle):
         self.type_k, self.type_v = params.type_k, params.type_v
         self.n_vocab = model.n_vocab
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        if frac < 1.0:
+            self._report_split(frac, log)
+
+    def _report_split(self, frac: float, log) -> None:
+        """Say what became of a fraction < 1, where a user sees it by default:
+        an INFO log line when layers were split, a :class:`HeadInferWarning`
+        when none was (the decision from the residency report; the reasons
+        from llama.cpp's log of the context's creation)."""
+        report = self.kv_residency()
+        layers = report["layers"] if report else []
+        n_split = sum(1 for x in layers if x["n_head_resident"] < x["n_head_kv"])
+        if n_split:
+            device, host = kv_residency_totals(report)
+            logger.info("headinfer_gpu_heads_frac = %g: %d of %d KV layers split; KV %.1f MiB in the layers' "
+                        "buffers, %.1f MiB in host memory", frac, n_split, len(layers), device / 2**20, host / 2**20)
+            return
+        reasons = sorted({t.split("not split:", 1)[1].strip() for _, t in log if "not split:" in t}
+                         | {t.split("ignored:", 1)[1].strip() for _, t in log if "headinfer" in t and "ignored:" in t})
+        why = "; ".join(reasons) if reasons else ("this context has no attention KV cache" if report is None
+                                                  else "llama.cpp gave no reason")
+        warnings.warn(f"headinfer_gpu_heads_frac = {frac:g} is ignored: no KV layer was split ({why}); "
+                      "the whole KV cache stays in the layers' buffers", HeadInferWarning, stacklevel=3)
 
     def _frac_for_budget(self, model: Model, params: ContextParams) -> float:
         """The fraction for ``params.headinfer_vram_budget``, planned from the
@@ -114,6 +183,10 @@ class Context(Decoding, Sequences, StateIO, Handle):
 
     # -- lifetime (Handle) -------------------------------------------------- #
 
+    @serialized
+    def close(self) -> None:
+        super().close()
+
     def _close_dependents(self) -> None:
         if self._batch is not None:
             batch, self._batch = self._batch, None
@@ -129,6 +202,7 @@ class Context(Decoding, Sequences, StateIO, Handle):
 
     # -- HeadInfer ---------------------------------------------------------- #
 
+    @serialized
     def kv_residency(self) -> dict | None:
         """Where the KV cache's bytes live, as allocated by llama.cpp
         (``llama_kv_residency_buffers`` / ``_layers``; nothing is recomputed here)::

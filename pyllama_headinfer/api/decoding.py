@@ -4,7 +4,8 @@
 ``generate``/``complete``. A mixin: :class:`Decoding` uses the context's
 ``_ptr()``, ``_ffi``, ``_lib``, ``_batch``, ``model``, the sizes
 (``n_ctx``, ``n_ctx_seq``, ``n_batch``, ``n_vocab``) and ``_check_seq`` /
-``n_tokens`` / ``seq_rm`` of :class:`~.sequences.Sequences`."""
+``n_tokens`` / ``seq_rm`` of :class:`~.sequences.Sequences`. Every call holds
+the context's lock; a ``generate`` generator holds it until it ends."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from pyllama_headinfer.api.handle import serialized
 from pyllama_headinfer.api.sampler import Sampler
 from pyllama_headinfer.errors import ContextOverflowError, DecodeError
 from pyllama_headinfer.params import check_count
@@ -37,11 +39,19 @@ class Decoding:
 
     # -- the batch ---------------------------------------------------------- #
 
+    def _describe_n_ctx(self) -> str:
+        """n_ctx for messages, with why it is not what was asked for."""
+        text = f"n_ctx={self.n_ctx}"
+        if self.n_ctx != self.n_ctx_requested and self.n_ctx_requested:
+            text += f": llama.cpp rounds the requested {self.n_ctx_requested} up to a multiple of its padding"
+        if self.n_ctx_seq != self.n_ctx:
+            text += f"; {self.n_ctx_seq} per sequence"
+        return text
+
     def _overflow(self, n: int, pos0: int, seq_id: int | None = None) -> ContextOverflowError:
         of = "" if seq_id is None else f" of sequence {seq_id}"
-        per_seq = f", {self.n_ctx_seq} per sequence" if self.n_ctx_seq != self.n_ctx else ""
         return ContextOverflowError(f"{n} tokens at position {pos0}{of} do not fit into the context "
-                                    f"(n_ctx={self.n_ctx}{per_seq})")
+                                    f"({self._describe_n_ctx()})")
 
     def _fill_batch(self, tokens: np.ndarray, pos: np.ndarray, seq_ids: Sequence[int], logits: np.ndarray) -> None:
         """Write ``len(tokens)`` entries into the context's ``llama_batch``."""
@@ -68,6 +78,7 @@ class Decoding:
 
     # -- decoding ----------------------------------------------------------- #
 
+    @serialized
     def decode(self, tokens: Sequence[int], seq_id: int = 0, logits: str = "last") -> None:
         """Append ``tokens`` to sequence ``seq_id`` and evaluate them, in chunks
         of ``n_batch``.  ``logits``: "last" (for the last token), "all" (every
@@ -102,11 +113,13 @@ class Decoding:
             self._out_n = m
         self._out_mode = logits
 
+    @serialized
     def synchronize(self) -> None:
         """Wait until the device has finished the work of the last decode
         (llama.cpp may return from ``llama_decode`` before; for timing)."""
         self._lib.llama_synchronize(self._ptr())
 
+    @serialized
     def decode_batch(self, seqs) -> dict[int, int]:
         """Evaluate tokens of several sequences in one ``llama_batch`` (one
         ``llama_decode`` call), e.g. parallel generation for several prompts.
@@ -168,6 +181,7 @@ class Decoding:
         return checked_call(self._lib.llama_get_logits_ith, ptr, int(i), ok=lambda p: p != self._ffi.NULL,
                             error=lambda _, reason: IndexError(f"no logits for index {i}: {reason}"))
 
+    @serialized
     def logits(self, i: int = -1, copy: bool = True) -> np.ndarray:
         """Logits (float32, ``n_vocab``) of token ``i`` of the last :meth:`decode`
         (-1 = last).
@@ -188,6 +202,7 @@ class Decoding:
         view = np.frombuffer(self._ffi.buffer(p, self.n_vocab * 4), dtype=np.float32)
         return view.copy() if copy else view
 
+    @serialized
     def sample(self, sampler: Sampler, i: int = -1) -> int:
         return sampler.sample(self, i)
 
@@ -206,6 +221,7 @@ class Decoding:
             raise ValueError("generate() needs a non-empty prompt")
         own = sampler is None
         sampler = Sampler.greedy() if own else sampler
+        self._lock.acquire()  # held until the generator ends (see Context, "Threads")
         try:
             if reset:
                 self.seq_rm(seq_id)
@@ -222,9 +238,11 @@ class Decoding:
                     return
                 self.decode([tok], seq_id=seq_id, logits="last")
         finally:
+            self._lock.release()
             if own:
                 sampler.close()
 
+    @serialized
     def complete(self, text: str, max_tokens: int = 64, sampler: Sampler | None = None,
                  add_special: bool = True) -> str:
         """Generate a continuation of ``text`` and return it as a string."""

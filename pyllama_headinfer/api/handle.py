@@ -5,7 +5,18 @@ any use after ``close()`` raises :class:`ClosedError`."""
 
 from __future__ import annotations
 
+import functools
+
 from pyllama_headinfer.errors import ClosedError
+
+
+def serialized(method):
+    """Run ``method`` holding the object's ``_lock`` (see :class:`~.context.Context`, "Threads")."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class Handle:

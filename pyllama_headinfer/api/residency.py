@@ -5,7 +5,7 @@ table; :data:`HEADINFER_HOST_SUFFIX` marks the host halves of split layers."""
 
 from __future__ import annotations
 
-from pyllama_headinfer.runtime.manifest import REBUILD_HINT
+from pyllama_headinfer.runtime.manifest import rebuild_hint
 from pyllama_headinfer.errors import HeadInferError
 
 HEADINFER_HOST_SUFFIX = " (headinfer host)"
@@ -16,7 +16,7 @@ def read_kv_residency(ptr, ffi, lib) -> dict | None:
     (see there for its shape)."""
     if not lib.pyllama_has_kv_residency():
         raise HeadInferError("this libllama has no llama_kv_residency_buffers (built without the "
-                             "HeadInfer patch series?); " + REBUILD_HINT)
+                             "HeadInfer patch series?); " + rebuild_hint())
     n = int(lib.llama_kv_residency_buffers(ptr, ffi.NULL, 0))
     if n < 0:
         return None
@@ -84,6 +84,6 @@ def split_summary(report: dict | None) -> str:
     layers = report["layers"]
     split = [x for x in layers if x["n_head_resident"] < x["n_head_kv"]]
     if not split:
-        return f"0 of {len(layers)} layers split (llama.cpp's log says why: run with -v)"
+        return f"0 of {len(layers)} layers split"  # why: the HeadInferWarning Context gave
     heads = sorted({f"{x['n_head_resident']}/{x['n_head_kv']}" for x in split})
     return f"{len(split)} of {len(layers)} layers split ({', '.join(heads)} KV heads in the layer's own buffer)"

@@ -42,6 +42,7 @@ class Sampler(Handle):
     @classmethod
     def random(cls, temperature: float = 0.8, top_k: int | None = 40, top_p: float | None = 0.95,
                min_p: float | None = 0.05, seed: int | None = None) -> "Sampler":
+        _check_truncation(top_k, top_p, min_p)
         s = cls()
         if top_k:
             s.add_top_k(top_k)
@@ -54,6 +55,9 @@ class Sampler(Handle):
     @classmethod
     def from_params(cls, temperature: float = 0.8, top_k: int | None = 40, top_p: float | None = 0.95,
                     min_p: float | None = 0.05, seed: int | None = None) -> "Sampler":
+        if temperature is not None and math.isnan(float(temperature)):
+            raise ValueError("temperature must not be NaN")
+        _check_truncation(top_k, top_p, min_p)  # also for greedy: a bad value is a mistake either way
         if temperature is None or temperature <= 0:
             return cls.greedy()
         return cls.random(temperature, top_k, top_p, min_p, seed)
@@ -121,3 +125,13 @@ class Sampler(Handle):
 
     def __repr__(self) -> str:
         return f"<Sampler {' -> '.join(self.stages) or '(empty)'}{' closed' if self._handle is None else ''}>"
+
+
+def _check_truncation(top_k, top_p, min_p) -> None:
+    """Range checks before a stage is skipped as "off" (top_p 7 is a mistake, not "no top-p")."""
+    if top_p is not None and not 0.0 < float(top_p) <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
+    if top_k is not None and (isinstance(top_k, bool) or int(top_k) != top_k or top_k < 0):
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if min_p is not None and not 0.0 <= float(min_p) <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p!r}")

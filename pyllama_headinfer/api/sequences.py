@@ -1,12 +1,14 @@
 """The sequence (KV cache) operations of a :class:`~.context.Context`:
 positions of a sequence, clearing, removing, copying, keeping and shifting
 ranges. A mixin: :class:`Sequences` uses the context's ``_ptr()``, ``_lib``,
-``_mem``, ``n_seq_max``, ``n_ctx_seq``, ``kv_unified`` and ``type_k``."""
+``_mem``, ``_lock``, ``n_seq_max``, ``n_ctx_seq``, ``kv_unified`` and
+``type_k``. Every call holds the context's lock."""
 
 from __future__ import annotations
 
 import numbers
 
+from pyllama_headinfer.api.handle import serialized
 from pyllama_headinfer.errors import ContextError
 
 
@@ -22,11 +24,13 @@ class Sequences:
             raise ValueError(f"seq_id {seq_id} is out of range: this context has n_seq_max={self.n_seq_max}")
         return int(seq_id)
 
+    @serialized
     def seq_pos_max(self, seq_id: int = 0) -> int:
         """Largest position stored for ``seq_id`` (-1 when empty)."""
         self._ptr()
         return int(self._lib.llama_memory_seq_pos_max(self._mem, self._check_seq(seq_id)))
 
+    @serialized
     def seq_pos_min(self, seq_id: int = 0) -> int:
         self._ptr()
         return int(self._lib.llama_memory_seq_pos_min(self._mem, self._check_seq(seq_id)))
@@ -35,12 +39,14 @@ class Sequences:
         """Next position of ``seq_id`` (= tokens decoded so far, without gaps)."""
         return self.seq_pos_max(seq_id) + 1
 
+    @serialized
     def clear(self, data: bool = True) -> None:
         """Empty the memory (``data``: also zero the buffers)."""
         self._ptr()
         self._lib.llama_memory_clear(self._mem, bool(data))
         self._forget_outputs()
 
+    @serialized
     def seq_rm(self, seq_id: int = -1, p0: int = -1, p1: int = -1) -> bool:
         """Remove positions [p0, p1) of ``seq_id`` (-1: any sequence / open
         range). False if a partial removal is not possible."""
@@ -48,6 +54,7 @@ class Sequences:
         return bool(self._lib.llama_memory_seq_rm(self._mem, self._check_seq(seq_id, allow_any=True),
                                                   int(p0), int(p1)))
 
+    @serialized
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Copy positions [p0, p1) of ``src`` into ``dst`` (-1: open range).
         With one KV stream per sequence (``kv_unified=False``) only whole
@@ -60,6 +67,7 @@ class Sequences:
                              "copied whole (p0 = p1 = -1)")
         self._lib.llama_memory_seq_cp(self._mem, src, dst, int(p0), int(p1))
 
+    @serialized
     def seq_keep(self, seq_id: int) -> None:
         self._ptr()
         self._lib.llama_memory_seq_keep(self._mem, self._check_seq(seq_id))
@@ -72,6 +80,7 @@ class Sequences:
             raise ContextError(f"{what}: a K-shift of a bf16 K cache is not supported by llama.cpp at this "
                                "version (RoPE has no BF16 kernel); use type_k='f16'")
 
+    @serialized
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         """Add ``delta`` to the positions in [p0, p1) of ``seq_id``."""
         self._ptr()
@@ -79,6 +88,7 @@ class Sequences:
         self._check_shift("seq_add")
         self._lib.llama_memory_seq_add(self._mem, seq_id, int(p0), int(p1), int(delta))
 
+    @serialized
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         """Integer-divide the positions in [p0, p1) of ``seq_id`` by ``d`` (>= 1)."""
         self._ptr()

@@ -47,7 +47,7 @@ from pyllama_headinfer.build import toolchain as tc
 from pyllama_headinfer import pin
 from pyllama_headinfer.build.lock import build_lock
 from pyllama_headinfer.build.plan import plan_build
-from pyllama_headinfer.build.steps import STATE_NAME, bindings_fingerprint, build_bindings, run_ninja, configure_if_needed, configured_tools, interrupted_error, select_targets, library_targets, phony_outputs
+from pyllama_headinfer.build.steps import STATE_NAME, bindings_fingerprint, build_bindings, configure_if_needed, configured_tools, configured_with_tools, interrupted_error, library_targets, phony_outputs, run_ninja, select_targets
 from pyllama_headinfer.errors import BuildError
 from pyllama_headinfer.build.record import manifest_record, write_json
 from pyllama_headinfer.runtime.manifest import MANIFEST_NAME, read_json
@@ -83,7 +83,7 @@ class BuildResult:
 def build(*, llama_src: Optional[os.PathLike] = None, allow_unverified: bool = False,
           build_dir: Optional[os.PathLike] = None, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
           cmake_args: Sequence[str] = (), sanitize: Optional[str] = None, build_type: Optional[str] = None,
-          tools: bool = False, jobs: Optional[int] = None, wait: bool = True, fresh: bool = False,
+          tools: Optional[bool] = None, jobs: Optional[int] = None, wait: bool = True, fresh: bool = False,
           bindings: bool = True, verbose: bool = False, out: Optional[IO[str]] = None,
           env: Optional[Mapping[str, str]] = None) -> BuildResult:
     """Builds the patched llama.cpp; returns where and what (see the module docstring).
@@ -111,7 +111,16 @@ def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch,
            build_type, tools, jobs, wait, fresh, bindings, verbose, env) -> BuildResult:
     start = time.monotonic()
     plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
-                      build_type=build_type, tools=tools, build_dir=build_dir, env=env)
+                      build_type=build_type, tools=bool(tools), build_dir=build_dir, env=env)
+    if tools is None and configured_with_tools(plan.build_dir):
+        # a plain `build` keeps what the directory was asked to build before (dropping the tools
+        # would make the next `build --tools` recompile them all)
+        say("Keeping llama-cli, llama-server and llama-bench: this directory was built with --tools "
+            "(--no-tools removes them).")
+        plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
+                          build_type=build_type, tools=True, build_dir=build_dir, env=env)
+    elif tools is False and configured_with_tools(plan.build_dir):
+        say("Removing llama-cli, llama-server and llama-bench from this directory's configuration (--no-tools).")
     for note in plan.notes:
         say(note)
     d = plan.build_dir

@@ -22,7 +22,7 @@ from pyllama_headinfer.patches.apply import apply, revert
 from pyllama_headinfer.patches.series import load_series
 from pyllama_headinfer.patches.status import State, status, tree_acceptance
 from pyllama_headinfer.series import read_series_names, series_hash
-from pyllama_headinfer.source.fetch import ensure_source, locate_tree
+from pyllama_headinfer.source.fetch import ensure_source, locate_tree, take_replaced_file_times
 
 
 def prepare_source(llama_src, allow_unverified: bool, say=print) -> Tuple[Path, str]:
@@ -37,6 +37,8 @@ def prepare_source(llama_src, allow_unverified: bool, say=print) -> Tuple[Path, 
     located = Path(locate_tree(llama_src)).resolve()
     kept = _revert_recorded_series(located, current, say)
     tree = Path(ensure_source(llama_src, allow_unverified=allow_unverified, accept=tree_acceptance)).resolve()
+    # a tree replaced by `source fetch --force`: patched files that come out as they were keep their times
+    kept = {**take_replaced_file_times(tree), **kept}
     apply(tree)
     if kept:
         _restore_unchanged_mtimes(tree, kept)

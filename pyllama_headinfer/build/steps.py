@@ -9,7 +9,7 @@
 - bindings: the cffi extension, compiled again only when the libraries or
   what it is compiled from changed.
 
-Every command's full output goes to the log (:func:`_run_logged`); a failing
+Every command's full output goes to the log (:func:`run_logged`); a failing
 step prints the log's tail and becomes one one-paragraph :class:`BuildError`
 whose ``.kind`` names the cause when it is recognized (:func:`_fail`), or
 :class:`BuildInterrupted` after Ctrl-C.
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pyllama_headinfer.build import toolchain as tc
+from pyllama_headinfer.build.lock import held_lock_fds
 from pyllama_headinfer.build.plan import TOOL_TARGETS, BuildPlan
 from pyllama_headinfer.errors import BuildError, BuildInterrupted, HeadInferError
 from pyllama_headinfer.build.record import write_json
@@ -52,6 +53,12 @@ def configured_tools(d: Path) -> Tuple[Optional[str], Optional[str]]:
     return state.get("cmake") or (argv[0] if argv else None), state.get("ninja") or ninja
 
 
+def configured_with_tools(d: Path) -> bool:
+    """Whether the last successful configure of ``d`` included the tools (``build --tools``)."""
+    state = read_json(d / STATE_NAME) or {}
+    return "-DLLAMA_BUILD_TOOLS=ON" in (state.get("argv") or [])
+
+
 def configure_if_needed(plan, source_tree, cmake, ninja, fresh, log, log_path, run_env, echo, say) -> bool:
     d = plan.build_dir
     previous = read_json(d / STATE_NAME)
@@ -64,7 +71,7 @@ def configure_if_needed(plan, source_tree, cmake, ninja, fresh, log, log_path, r
         previous = None
     (d / STATE_NAME).unlink(missing_ok=True)
     say(f"Configuring with CMake {tc.fmt_version(cmake.version)} ({reason}) ...")
-    rc = _run_logged(argv + unset_dropped(plan, previous), log, cwd=d, echo=echo, env=run_env)
+    rc = run_logged(argv + unset_dropped(plan, previous), log, cwd=d, echo=echo, env=run_env)
     if rc != 0:
         raise _fail("Configuring llama.cpp with CMake", rc, log_path, say,
                     "Check the -D/--cmake-arg options and $CMAKE_ARGS; --fresh configures this "
@@ -161,7 +168,7 @@ def run_ninja(d: Path, ninja: tc.Tool, targets: List[str], jobs: Optional[int], 
     progress = Progress(out)
     steps = {"n": 0, "no_work": False}
     say(f"Compiling {', '.join(targets)} with ninja (log: {log_path}) ...")
-    rc = _run_logged(argv, _Tee(log, steps), cwd=d, progress=progress, echo=echo, env=run_env)
+    rc = run_logged(argv, _Tee(log, steps), cwd=d, progress=progress, echo=echo, env=run_env)
     if rc != 0:
         raise _fail("Compiling llama.cpp", rc, log_path, say,
                     "Run build again after fixing the cause; finished objects are kept. ")
@@ -190,15 +197,17 @@ class _Tee:
 # running a command, and a failed step
 
 
-def _run_logged(argv: Sequence[str], log: IO[str], *, cwd: Path, progress: Optional[Progress] = None,
+def run_logged(argv: Sequence[str], log: IO[str], *, cwd: Path, progress: Optional[Progress] = None,
                 echo: Optional[IO[str]] = None, env: Optional[Mapping[str, str]] = None) -> int:
     """Runs a command, appending its output to ``log`` (and ``echo``), feeding ``progress``."""
     log.write(f"$ {' '.join(shlex.quote(str(a)) for a in argv)}\n")
     log.flush()
     try:
+        # the build lock goes with the child (and ninja's compilers): see build_lock
         proc = subprocess.Popen([str(a) for a in argv], cwd=str(cwd), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(env or os.environ),
-                                text=True, encoding="utf-8", errors="replace", bufsize=1)
+                                text=True, encoding="utf-8", errors="replace", bufsize=1,
+                                pass_fds=held_lock_fds())
     except OSError as exc:
         raise BuildError(f"Cannot run {argv[0]}: {exc}") from None
     try:

@@ -38,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="address: ASan+UBSan, thread: TSan; its own build directory (cpu-asan, ...)")
     cfg.add_argument("--build-type", choices=BUILD_TYPES,
                      help="CMAKE_BUILD_TYPE (default Release; RelWithDebInfo with --sanitize)")
-    cfg.add_argument("--tools", action="store_true", help="also build llama-cli, llama-server and llama-bench")
+    cfg.add_argument("--tools", action=argparse.BooleanOptionalAction, default=None,
+                     help="also build llama-cli, llama-server and llama-bench (into <build dir>/bin); "
+                          "without either flag, a directory keeps what it was built with")
     cfg.add_argument("--build-dir", metavar="DIR",
                      help="build directory (default: build/<config> in a checkout, else <cache>/build/<config>)")
     run_g = parser.add_argument_group("running")
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         [f"-D{d.strip()}" for d in getattr(args, "defines", [])]
     if args.dry_run:
         plan = plan_build(cuda=args.cuda, cuda_arch=args.cuda_arch, cmake_args=cmake_args,
-                          sanitize=args.sanitize, build_type=args.build_type, tools=args.tools,
+                          sanitize=args.sanitize, build_type=args.build_type, tools=bool(args.tools),
                           build_dir=args.build_dir)
         for note in plan.notes:
             print(note, file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import logging
 import sys
 import time
 
@@ -23,6 +24,9 @@ from pyllama_headinfer.api.sampler import Sampler
 from pyllama_headinfer.errors import EXIT_OK, UsageError
 from pyllama_headinfer.params import ContextParams
 from pyllama_headinfer.runtime import bindings
+from pyllama_headinfer.vram.speed import rank_options
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,8 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=float, default=0.05, help="min-p (default 0.05, 0 = off)")
     parser.add_argument("--no-flash-attn", dest="flash_attn", action="store_false",
                         help="disable flash attention (HeadInfer needs it to split a layer)")
-    parser.add_argument("--cache-type-k", default="f16", help="K cache type (default f16)")
-    parser.add_argument("--cache-type-v", default="f16", help="V cache type (default f16)")
+    parser.add_argument("--cache-type-k", default=None,
+                        help="K cache type (default f16; with --vram-budget: the fastest option that fits)")
+    parser.add_argument("--cache-type-v", default=None,
+                        help="V cache type (default f16; with --vram-budget: the fastest option that fits)")
+    parser.add_argument("--allow-quantized-kv", action="store_true",
+                        help="with --vram-budget: also consider q8_0/q4_0 caches (faster, but not exact); "
+                             "default: the fastest exact option")
     parser.add_argument("--no-stream", dest="stream", action="store_false",
                         help="print the text once at the end instead of token by token")
 
@@ -57,66 +66,94 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def context_params(args: argparse.Namespace) -> ContextParams:
     """The context the arguments ask for (checked: a bad value is a ValueError naming it)."""
     return ContextParams(n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.batch, n_threads=args.threads,
-                         flash_attn=args.flash_attn, type_k=args.cache_type_k, type_v=args.cache_type_v,
-                         headinfer_gpu_heads_frac=args.frac, headinfer_vram_budget=args.vram_budget)
+                         flash_attn=args.flash_attn, type_k=args.cache_type_k or "f16",
+                         type_v=args.cache_type_v or "f16", headinfer_gpu_heads_frac=args.frac,
+                         headinfer_vram_budget=args.vram_budget)
+
+
+def kv_type_for_budget(model: Model, params: ContextParams, args: argparse.Namespace) -> str:
+    """The KV type of the fastest option that fits --vram-budget: exact (f16) unless
+    --allow-quantized-kv; says what it picked and what the fastest overall would be.
+    Planned from the GGUF the model read (not read again)."""
+    ranking = rank_options(model.gguf, params, n_gpu_layers=args.ngl)
+    best, exact = ranking.fastest, ranking.fastest_exact
+    pick = best if args.allow_quantized_kv else exact
+    if pick is None:
+        return params.type_k  # nothing fits: the context's own plan says so, with what would fit
+    log.info("--vram-budget: %s cache, frac %.6g (%.1f tok/s predicted at a full context)%s", pick.type_k,
+             pick.frac, pick.predicted_decode_tok_s,
+             "" if best is None or best is pick else
+             f"; fastest overall: {best.type_k} cache, frac {best.frac:.6g} ({best.predicted_decode_tok_s:.1f} tok/s"
+             f" predicted, not exact: --allow-quantized-kv)")
+    return pick.type_k
 
 
 def run(args: argparse.Namespace) -> int:
-    params = context_params(args)  # before the (slow) model load
+    params = context_params(args)  # checked before the (slow) model load
     if args.n < 0:
         raise UsageError("-n must be >= 0")
     err = sys.stderr
+    choose_kv_type = args.vram_budget is not None and args.cache_type_k is None and args.cache_type_v is None
     t0 = time.perf_counter()
-    with Model(args.model, n_gpu_layers=args.ngl) as model, \
-            Context(model, params) as ctx, \
-            Sampler.from_params(args.temp, args.top_k, args.top_p, args.min_p, args.seed) as sampler:
+    with Sampler.from_params(args.temp, args.top_k, args.top_p, args.min_p, args.seed) as sampler, \
+            Model(args.model, n_gpu_layers=args.ngl) as model:
+        if choose_kv_type:
+            kv = kv_type_for_budget(model, params, args)
+            params = params.replace(type_k=kv, type_v=kv)
+        ctx = Context(model, params)
         t_load = time.perf_counter() - t0
-        prompt = model.tokenize(args.prompt, add_special=True)
-        if not prompt:
-            raise UsageError("the prompt tokenizes to nothing")
+        with ctx:
+            return _generate(args, model, ctx, sampler, t_load, err)
 
-        out = sys.stdout
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        generated: list[int] = []
-        t_prompt = None
-        t1 = time.perf_counter()
-        gen = ctx.generate(prompt, args.n, sampler)
-        for tok in gen:
-            if t_prompt is None:
-                t_prompt = time.perf_counter() - t1  # prompt eval + first sample
-                t2 = time.perf_counter()
-            generated.append(tok)
-            if model.is_eog(tok):
-                continue
-            if args.stream:
-                out.write(decoder.decode(model.token_to_piece(tok)))
-                out.flush()
-        t_gen = time.perf_counter() - t2 if t_prompt is not None else 0.0
+
+def _generate(args: argparse.Namespace, model: Model, ctx: Context, sampler: Sampler, t_load: float, err) -> int:
+    """Stream the text to stdout, then the speed and the residency report to stderr."""
+    prompt = model.tokenize(args.prompt, add_special=True)
+    if not prompt:
+        raise UsageError("the prompt tokenizes to nothing")
+
+    out = sys.stdout
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    generated: list[int] = []
+    t_prompt = None
+    t1 = time.perf_counter()
+    gen = ctx.generate(prompt, args.n, sampler)
+    for tok in gen:
+        if t_prompt is None:
+            t_prompt = time.perf_counter() - t1  # prompt eval + first sample
+            t2 = time.perf_counter()
+        generated.append(tok)
+        if model.is_eog(tok):
+            continue
         if args.stream:
-            out.write(decoder.decode(b"", final=True) + "\n")
-        else:
-            out.write(model.detokenize([t for t in generated if not model.is_eog(t)]) + "\n")
-        out.flush()
+            out.write(decoder.decode(model.token_to_piece(tok)))
+            out.flush()
+    t_gen = time.perf_counter() - t2 if t_prompt is not None else 0.0
+    if args.stream:
+        out.write(decoder.decode(b"", final=True) + "\n")
+    else:
+        out.write(model.detokenize([t for t in generated if not model.is_eog(t)]) + "\n")
+    out.flush()
 
-        n_gen = len(generated)
-        print(f"model: {model.path.name} ({model.description}), load {t_load:.2f} s", file=err)
-        if t_prompt is not None:
-            print(f"prompt: {len(prompt)} tokens, {len(prompt) / max(t_prompt, 1e-9):.1f} tokens/s", file=err)
-        # the first token comes with the prompt; the other n_gen - 1 each cost one decode
-        if n_gen > 1:
-            print(f"generation: {n_gen} tokens, {(n_gen - 1) / max(t_gen, 1e-9):.1f} tokens/s", file=err)
-        else:
-            print(f"generation: {n_gen} tokens", file=err)
-        print(f"headinfer_gpu_heads_frac: {ctx.headinfer_gpu_heads_frac}", file=err)
-        if ctx.headinfer_plan is not None:
-            print(f"  {ctx.headinfer_plan.summary()}", file=err)
-        elif args.vram_budget is not None:
-            print("  --vram-budget ignored: this build has no GPU offload", file=err)
-        if bindings.has_kv_residency():
-            report = ctx.kv_residency()
-            if ctx.headinfer_gpu_heads_frac < 1.0:  # what llama.cpp made of the fraction
-                print(f"  {split_summary(report)}", file=err)
-            print(format_kv_residency(report), file=err)
-        else:
-            print("KV residency: not available (this libllama has no llama_kv_residency_buffers)", file=err)
+    n_gen = len(generated)
+    print(f"model: {model.path.name} ({model.description}), load {t_load:.2f} s", file=err)
+    if t_prompt is not None:
+        print(f"prompt: {len(prompt)} tokens, {len(prompt) / max(t_prompt, 1e-9):.1f} tokens/s", file=err)
+    # the first token comes with the prompt; the other n_gen - 1 each cost one decode
+    if n_gen > 1:
+        print(f"generation: {n_gen} tokens, {(n_gen - 1) / max(t_gen, 1e-9):.1f} tokens/s", file=err)
+    else:
+        print(f"generation: {n_gen} tokens", file=err)
+    print(f"headinfer_gpu_heads_frac: {ctx.headinfer_gpu_heads_frac}", file=err)
+    if ctx.headinfer_plan is not None:
+        print(f"  {ctx.headinfer_plan.summary()}", file=err)
+    elif args.vram_budget is not None:
+        print("  --vram-budget ignored: this build has no GPU offload", file=err)
+    if bindings.has_kv_residency():
+        report = ctx.kv_residency()
+        if ctx.headinfer_gpu_heads_frac < 1.0:  # what llama.cpp made of the fraction
+            print(f"  {split_summary(report)}", file=err)
+        print(format_kv_residency(report), file=err)
+    else:
+        print("KV residency: not available (this libllama has no llama_kv_residency_buffers)", file=err)
     return EXIT_OK

@@ -16,8 +16,9 @@ the same for every command (README, "Exit codes"):
 - 130: interrupted (Ctrl-C).
 
 While a command runs, the package's progress goes to stderr through
-``logging`` and llama.cpp's own log is shown from WARNING up (all of it with
-``-v``); both loggers are put back as they were afterwards.
+``logging``, llama.cpp's own log is shown from WARNING up (all of it with
+``-v``; an ERROR line that an exception quotes is not shown twice) and
+warnings are one ``warning: ...`` line; all of it is put back afterwards.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ import contextlib
 import importlib
 import logging
 import sys
+import warnings
 from typing import List, NamedTuple, Optional, Sequence
 
 from pyllama_headinfer import __version__, pin
 from pyllama_headinfer.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, BuildInterrupted, HeadInferError,
                                       UsageError)
+from pyllama_headinfer.runtime.log import CAPTURED_ATTR
 
 
 class Subcommand(NamedTuple):
@@ -47,6 +50,7 @@ SUBCOMMANDS: Sequence[Subcommand] = (
     Subcommand("generate", "pyllama_headinfer.cli.generate", "generate text with HeadInfer"),
     Subcommand("plan", "pyllama_headinfer.cli.plan", "choose the head fraction from a VRAM budget (no weights loaded)"),
     Subcommand("bench", "pyllama_headinfer.cli.bench", "measure speed and KV memory over frac x depth x KV type"),
+    Subcommand("serve", "pyllama_headinfer.cli.serve", "run the patched llama-server (OpenAI API) with HeadInfer"),
 )
 
 # llama.cpp's own log (see pyllama_headinfer.runtime.log) is chatty at INFO
@@ -88,13 +92,25 @@ def cli_logging(verbose: bool):
     saved = (package.level, package.propagate, llama.level)
     handler = CurrentStderr()
     handler.setFormatter(Formatter("%(message)s"))
+    if not verbose:
+        # llama.cpp's errors inside an API call are quoted by the exception the call raises, which is
+        # printed as `error: ...`: once is enough (warnings still show, they may not end in an exception)
+        handler.addFilter(lambda record: not (record.levelno >= logging.ERROR
+                                              and getattr(record, CAPTURED_ATTR, False)))
     package.addHandler(handler)
     package.setLevel(logging.DEBUG if verbose else logging.INFO)
     package.propagate = False  # no second copy through handlers of the root logger
     llama.setLevel(logging.NOTSET if verbose else logging.WARNING)
+    shown = warnings.showwarning
+
+    def show_warning(message, category, filename, lineno, file=None, line=None):  # one line, no source location
+        print(f"warning: {message}", file=sys.stderr)
+
+    warnings.showwarning = show_warning
     try:
         yield
     finally:
+        warnings.showwarning = shown
         package.removeHandler(handler)
         package.level, package.propagate, llama.level = saved
 

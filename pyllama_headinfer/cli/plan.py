@@ -20,7 +20,9 @@ import sys
 
 from pyllama_headinfer.errors import EXIT_FAILURE, EXIT_OK
 from pyllama_headinfer.params import KV_CACHE_TYPES, ContextParams, parse_size
+from pyllama_headinfer.vram.model import read_model_info
 from pyllama_headinfer.vram.plan import force_split_from_env, plan_kv
+from pyllama_headinfer.vram.speed import load_calibration, rank_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bytes", dest="exact", action="store_true", help="exact byte counts in the table")
     parser.add_argument("--layers", action="store_true", help="the per-layer head split of the choice")
     parser.add_argument("--json", action="store_true", help="the plan as JSON on stdout instead of the table")
+    parser.add_argument("--rank", action=argparse.BooleanOptionalAction, default=None,
+                        help="also rank KV type (f16, q8_0, q4_0) x fraction by predicted decode speed, with the "
+                             "fastest and the fastest exact option (default: on with --vram)")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="filled context the speed is predicted at (default: the whole context)")
+    parser.add_argument("--speed-device", default=None,
+                        help="use the speed constants `bench --calibrate` stored for this device "
+                             "(default: the only stored ones, else the H200 defaults)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,12 +71,21 @@ def run(args: argparse.Namespace) -> int:
     params = ContextParams(n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.batch, n_seq_max=args.n_seq,
                            flash_attn=args.flash_attn, type_k=args.type_k, type_v=args.type_v,
                            kv_unified=args.kv_unified, swa_full=args.swa_full, headinfer_vram_budget=args.vram)
-    p = plan_kv(args.model, params, n_gpu_layers=args.ngl, force_split=force, margin=margin)
+    info = read_model_info(args.model)  # the GGUF is read once, for the plan and the ranking
+    p = plan_kv(info, params, n_gpu_layers=args.ngl, force_split=force, margin=margin)
     nothing_fits = p.budget is not None and p.chosen is None
+    ranking = None
+    if args.rank or (args.rank is None and args.vram is not None):
+        prefix = f"python -m pyllama_headinfer generate --model {args.model} --ctx {args.ctx} --ngl {args.ngl}"
+        ranking = rank_options(info, params, depth=args.depth, constants=load_calibration(args.speed_device),
+                               command_prefix=prefix, n_gpu_layers=args.ngl, force_split=force, margin=margin)
     if args.json:
-        print(json.dumps(p.to_dict(), indent=2))
+        print(json.dumps({**p.to_dict(), **(ranking.to_dict() if ranking else {})}, indent=2))
     else:  # when nothing fits, the reason and what would fit go to stderr (once)
         print(p.format(exact=args.exact, per_layer=args.layers, summary=not nothing_fits))
+        if ranking is not None:
+            print()
+            print(ranking.format())
     if nothing_fits:
         sys.stdout.flush()
         print(f"error: {p.error()}", file=sys.stderr)

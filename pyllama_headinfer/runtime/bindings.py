@@ -35,7 +35,7 @@ from pathlib import Path
 
 from pyllama_headinfer.errors import NotBuiltError, StaleBuildError
 from pyllama_headinfer.runtime.log import router
-from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, REBUILD_HINT, Manifest, find_manifest
+from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, Manifest, find_manifest, rebuild_hint
 from pyllama_headinfer.series import build_stamp
 
 MODULE_NAME = "_pyllama_headinfer_cffi"
@@ -48,7 +48,7 @@ def extension_path(manifest: Manifest) -> Path:
     """The compiled module the manifest names; :class:`NotBuiltError` when it has none."""
     if manifest.bindings is None:
         raise NotBuiltError(f"the build in {manifest.build_dir} has no Python bindings (built with --no-bindings, "
-                            f"or compiling them failed); {REBUILD_HINT}")
+                            f"or compiling them failed); {rebuild_hint()}")
     return manifest.bindings
 
 
@@ -100,13 +100,13 @@ def _import_extension(path: Path):
         _preload_libstdcxx()
     spec = importlib.util.spec_from_file_location(MODULE_NAME, str(path))
     if spec is None or spec.loader is None:
-        raise NotBuiltError(f"cannot load the extension module {path}; {REBUILD_HINT}")
+        raise NotBuiltError(f"cannot load the extension module {path}; {rebuild_hint()}")
     mod = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(mod)
     except ImportError as exc:  # e.g. a symbol missing from a libllama rebuilt differently
         raise StaleBuildError(f"the extension module {path} does not load ({exc}); the llama.cpp libraries "
-                              f"changed since it was compiled -- {REBUILD_HINT}") from exc
+                              f"changed since it was compiled -- {rebuild_hint()}") from exc
     sys.modules[MODULE_NAME] = mod
     return mod
 
@@ -118,7 +118,7 @@ def check_stamp(ffi, lib, path: Path | str = "the extension module") -> str:
     if built != current:
         raise StaleBuildError(
             f"stale build: {path} was compiled for {built!r}, but this checkout is {current!r} "
-            f"(pin commit + patch-series hash); {REBUILD_HINT}"
+            f"(pin commit + patch-series hash); {rebuild_hint()}"
         )
     return built
 
@@ -135,7 +135,7 @@ def check_abi(ffi, lib) -> None:
             "libllama does not match the headers the extension was compiled against "
             f"(llama_context_default_params(): type_k={p.type_k}, type_v={p.type_v}, "
             f"headinfer_gpu_heads_frac={p.headinfer_gpu_heads_frac}; expected f16, f16, 1.0) -- "
-            f"the libraries were rebuilt from a different llama.h; {REBUILD_HINT}"
+            f"the libraries were rebuilt from a different llama.h; {rebuild_hint()}"
         )
 
 
@@ -170,7 +170,7 @@ def load():
         check_sanitizer_runtime(manifest)
         path = extension_path(manifest)
         if not path.is_file():
-            raise NotBuiltError(f"the cffi extension {path} is missing (incomplete build); {REBUILD_HINT}")
+            raise NotBuiltError(f"the cffi extension {path} is missing (incomplete build); {rebuild_hint()}")
         mod = _import_extension(path)
         ffi, lib = mod.ffi, mod.lib
         check_stamp(ffi, lib, path)

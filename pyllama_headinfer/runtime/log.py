@@ -19,6 +19,8 @@ logger = logging.getLogger("pyllama_headinfer.llama")
 logger.addHandler(logging.NullHandler())
 
 LogLines = List[Tuple[int, str]]
+
+CAPTURED_ATTR = "pyllama_captured"  # LogRecord attribute: the line was also captured (capture_log)
 T = TypeVar("T")
 
 
@@ -57,7 +59,9 @@ class LogRouter:
         for cap in self._captures:
             cap.append((level, line))
         if logger.isEnabledFor(level):
-            logger.log(level, "%s", line)
+            # captured lines are quoted by the exception the API raises when the call fails: a CLI
+            # that prints that exception can leave them out (see cli.main.cli_logging)
+            logger.log(level, "%s", line, extra={CAPTURED_ATTR: bool(self._captures)})
 
     def flush(self) -> None:
         with self._lock:

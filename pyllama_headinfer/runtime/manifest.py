@@ -24,7 +24,18 @@ from pyllama_headinfer.series import series_hash
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 2
 BUILD_DIR_ENV = "PYLLAMA_HEADINFER_BUILD_DIR"
-REBUILD_HINT = "run `python -m pyllama_headinfer build`"
+
+
+def rebuild_hint() -> str:
+    """What to run to get a usable build: for the directory $PYLLAMA_HEADINFER_BUILD_DIR names, if set."""
+    bdir = os.environ.get(BUILD_DIR_ENV)
+    if bdir:
+        return f"run `python -m pyllama_headinfer build --build-dir {bdir}` ({BUILD_DIR_ENV} names that directory)"
+    return "run `python -m pyllama_headinfer build`"
+
+
+def _or_set_env() -> str:
+    return "" if os.environ.get(BUILD_DIR_ENV) else f" (or set {BUILD_DIR_ENV} to a build directory)"
 
 
 @dataclass(frozen=True)
@@ -94,14 +105,14 @@ def read_manifest(build_dir: os.PathLike) -> Manifest:
     path = build_dir / MANIFEST_NAME
     data = read_json(path)
     if data is None:
-        raise NotBuiltError(f"No llama.cpp build in {build_dir} (no readable {MANIFEST_NAME}); {REBUILD_HINT} "
-                            f"(or set {BUILD_DIR_ENV} to a build directory).")
+        raise NotBuiltError(f"No llama.cpp build in {build_dir} (no readable {MANIFEST_NAME}); {rebuild_hint()}"
+                            f"{_or_set_env()}.")
     if data.get("format") != MANIFEST_FORMAT:
-        raise NotBuiltError(f"{path} has format {data.get('format')!r}, expected {MANIFEST_FORMAT}; {REBUILD_HINT}.")
+        raise NotBuiltError(f"{path} has format {data.get('format')!r}, expected {MANIFEST_FORMAT}; {rebuild_hint()}.")
     missing = [p for p in (data.get("libraries") or {}).values() if not Path(p).exists()]
     if missing or "llama" not in (data.get("libraries") or {}):
         raise NotBuiltError(f"The build in {build_dir} is incomplete (missing {', '.join(missing) or 'libllama'}); "
-                            f"{REBUILD_HINT} again.")
+                            f"{rebuild_hint()} again.")
     return Manifest.from_dict(data, build_dir)
 
 
@@ -135,8 +146,7 @@ def _newest_manifest() -> Manifest:
             continue
         if not manifest.sanitize:
             return manifest
-    raise NotBuiltError(f"No llama.cpp build found under {root}; {REBUILD_HINT} "
-                        f"(or set {BUILD_DIR_ENV} to a build directory).")
+    raise NotBuiltError(f"No llama.cpp build found under {root}; {rebuild_hint()}{_or_set_env()}.")
 
 
 def check_current(manifest: Manifest) -> None:
@@ -146,5 +156,5 @@ def check_current(manifest: Manifest) -> None:
         raise StaleBuildError(
             f"The build in {manifest.build_dir} was made from llama.cpp {manifest.pin_build} "
             f"with patch series {manifest.series_hash[:12]}, but this checkout pins "
-            f"{pin.LLAMA_CPP_BUILD} with series {current[:12]}; {REBUILD_HINT} again."
+            f"{pin.LLAMA_CPP_BUILD} with series {current[:12]}; {rebuild_hint()} again."
         )

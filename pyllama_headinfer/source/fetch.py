@@ -30,6 +30,9 @@ keyed by the tree's absolute path, never inside the tree
 
 from __future__ import annotations
 
+import filecmp
+import hashlib
+import json
 import logging
 import os
 import shlex
@@ -39,7 +42,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from pyllama_headinfer import paths, pin
 from pyllama_headinfer.source.archive import extract_subtree
@@ -92,6 +95,24 @@ def archive_url() -> str:
 # fetching
 
 
+def _short_reason(exc: BaseException) -> str:
+    """One short line for a failed download (requests nests urllib3's long repr of the connection)."""
+    import requests
+
+    if isinstance(exc, requests.ConnectionError):
+        text = str(exc)
+        for marker, reason in (("NameResolutionError", "the host name does not resolve (no network?)"),
+                               ("Name or service not known", "the host name does not resolve (no network?)"),
+                               ("Connection refused", "connection refused"),
+                               ("timed out", "the connection timed out")):
+            if marker in text:
+                return f"{reason} ({exc.request.url if exc.request is not None else 'no URL'})"
+        return "cannot connect" + (f" to {exc.request.url}" if exc.request is not None else "")
+    if isinstance(exc, requests.Timeout):
+        return "the download timed out"
+    return str(exc).splitlines()[0][:200]
+
+
 def _download_github_archive(downloads: Path) -> Tuple[Path, str]:
     target = downloads / f"llama.cpp-{pin.LLAMA_CPP_COMMIT}.tar.gz"
     if target.is_file():
@@ -112,7 +133,7 @@ def _download_github_archive(downloads: Path) -> Tuple[Path, str]:
                 handle.write(chunk)
     except requests.RequestException as exc:
         partial.unlink(missing_ok=True)
-        raise SourceError(f"download failed: {exc}") from exc
+        raise SourceError(f"download failed: {_short_reason(exc)}") from exc
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
@@ -181,6 +202,7 @@ def install_tree(staged: Path, final: Path, replace: bool) -> Path:
         log.info("another process installed %s meanwhile; keeping it", final)
         return final
     if final.exists():
+        _keep_unchanged_mtimes(final, staged)
         old = final.with_name(f".old-{final.name}-{os.getpid()}")
         os.rename(final, old)
     os.rename(staged, final)
@@ -189,6 +211,57 @@ def install_tree(staged: Path, final: Path, replace: bool) -> Path:
         forget_stat_cache(old)
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _keep_unchanged_mtimes(old: Path, new: Path) -> None:
+    """Before ``new`` replaces ``old`` (``fetch --force``): files with the same
+    bytes get the old file's times, so a build over the new tree recompiles
+    nothing for them. Files that differ -- edited by hand, or patched by the
+    series, which the next build applies again -- are remembered with their
+    digest and times (:func:`take_replaced_file_times`): a patched file that
+    comes out of that build byte-identical gets its old times back too."""
+    differing = {}
+    for directory, _dirs, files in os.walk(new):
+        for name in files:
+            fresh = Path(directory) / name
+            rel = fresh.relative_to(new)
+            previous = old / rel
+            if fresh.is_symlink() or not previous.is_file() or previous.is_symlink():
+                continue
+            st = previous.stat()
+            if st.st_size == fresh.stat().st_size and filecmp.cmp(previous, fresh, shallow=False):
+                os.utime(fresh, ns=(st.st_atime_ns, st.st_mtime_ns))
+            else:
+                digest = hashlib.sha256(previous.read_bytes()).hexdigest()
+                differing[rel.as_posix()] = [digest, st.st_atime_ns, st.st_mtime_ns]
+    for directory, _dirs, files in os.walk(old):  # files the series created: the build creates them again
+        for name in files:
+            previous = Path(directory) / name
+            rel = previous.relative_to(old)
+            if not previous.is_symlink() and not (new / rel).exists() and previous.stat().st_size < (1 << 24):
+                st = previous.stat()
+                differing[rel.as_posix()] = [hashlib.sha256(previous.read_bytes()).hexdigest(),
+                                             st.st_atime_ns, st.st_mtime_ns]
+    record = _replaced_times_path(old)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(differing), encoding="utf-8")
+
+
+def _replaced_times_path(tree: Path) -> Path:
+    return paths.cache_dir() / "replaced-file-times" / (hashlib.sha256(str(tree).encode()).hexdigest()[:16] + ".json")
+
+
+def take_replaced_file_times(tree: os.PathLike) -> Dict[str, Tuple[str, int, int]]:
+    """What :func:`_keep_unchanged_mtimes` remembered of the files of ``tree``
+    that ``fetch --force`` replaced by different bytes: ``{relative path:
+    (sha256, atime_ns, mtime_ns)}``, handed out once (the record is removed)."""
+    record = _replaced_times_path(Path(tree))
+    try:
+        kept = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    record.unlink(missing_ok=True)
+    return {rel: (str(v[0]), int(v[1]), int(v[2])) for rel, v in kept.items()}
 
 
 def _fetch_one(fetcher: _Fetcher, downloads: Path, final: Path, replace: bool) -> Path:

@@ -30,6 +30,7 @@ ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
 const char * ggml_backend_dev_name(ggml_backend_dev_t device);
 const char * ggml_backend_dev_description(ggml_backend_dev_t device);
 enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
+void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
 ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
 void ggml_backend_register(ggml_backend_reg_t reg);
 size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
