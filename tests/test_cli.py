@@ -48,7 +48,7 @@ def test_help_imports_no_command_module():
 def test_every_command_is_listed(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for command in ("source", "patch", "build", "generate", "plan", "bench"):
+    for command in ("source", "patch", "build", "generate", "plan", "bench", "serve"):
         assert command in out
 
 
