@@ -25,7 +25,7 @@ import pytest
 from pyllama_headinfer import paths, pin
 from pyllama_headinfer.build import build as B
 from pyllama_headinfer.build import steps
-from pyllama_headinfer.build import toolchain as tc
+from pyllama_headinfer.build import toolchain
 from pyllama_headinfer.build.lock import LOCK_NAME, build_lock
 from pyllama_headinfer.build.plan import config_key, default_build_dir, parse_define, plan_build, split_cmake_args
 from pyllama_headinfer.build.progress import Progress, classify_failure, parse_progress
@@ -45,16 +45,16 @@ REAL_CACHE = paths.cache_dir()
 
 
 def _no_gpu():
-    return tc.CudaProbe(nvcc="/usr/local/bin/nvcc", gpus=[], compute_caps=[])
+    return toolchain.CudaProbe(nvcc="/usr/local/bin/nvcc", gpus=[], compute_caps=[])
 
 
 def _h200():
-    return tc.CudaProbe(nvcc="/usr/local/cuda/bin/nvcc", gpus=["GPU 0: NVIDIA H200 (UUID: GPU-x)"],
+    return toolchain.CudaProbe(nvcc="/usr/local/cuda/bin/nvcc", gpus=["GPU 0: NVIDIA H200 (UUID: GPU-x)"],
                         compute_caps=["9.0"])
 
 
 def _nothing():
-    return tc.CudaProbe()
+    return toolchain.CudaProbe()
 
 
 # --------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def test_config_keys():
     assert config_key() == "cpu"
     assert config_key("cuda", "90") == "cuda-sm90"
     assert config_key("cuda", "86;90") == "cuda-sm86-90"
-    assert config_key("cuda", tc.DEFAULT_CUDA_ARCHS) == "cuda"
+    assert config_key("cuda", toolchain.DEFAULT_CUDA_ARCHS) == "cuda"
     assert config_key("cpu", sanitize="address", build_type="RelWithDebInfo") == "cpu-asan"
     assert config_key("cpu", build_type="Debug") == "cpu-debug"
     assert config_key("cuda", "90", "thread", "Debug") == "cuda-sm90-tsan-debug"
@@ -177,7 +177,7 @@ def test_plan_gpu_visible_builds_cuda_for_its_arch(tmp_path):
 
 def test_plan_forced_cuda(tmp_path):
     plan = plan_build(env={}, probe_fn=_no_gpu, cuda=True)
-    assert plan.key == "cuda" and plan.options["CMAKE_CUDA_ARCHITECTURES"] == tc.DEFAULT_CUDA_ARCHS
+    assert plan.key == "cuda" and plan.options["CMAKE_CUDA_ARCHITECTURES"] == toolchain.DEFAULT_CUDA_ARCHS
     assert plan.options["CMAKE_CUDA_COMPILER"] == "/usr/local/bin/nvcc"
     plan = plan_build(env={}, probe_fn=_no_gpu, cuda=True, cuda_arch="86;90")
     assert plan.key == "cuda-sm86-90" and plan.options["CMAKE_CUDA_ARCHITECTURES"] == "86;90"
@@ -221,7 +221,7 @@ def test_default_build_dir_in_checkout():
 
 def test_reconfigure_only_when_options_change(tmp_path):
     plan = plan_build(build_dir=tmp_path, env={}, probe_fn=_no_gpu, cmake_args=["-DGGML_AVX512=ON"])
-    cmake, ninja = tc.Tool("/x/cmake", (3, 28)), tc.Tool("/x/ninja", (1, 11))
+    cmake, ninja = toolchain.Tool("/x/cmake", (3, 28)), toolchain.Tool("/x/ninja", (1, 11))
     src = tmp_path / "src"
     argv = steps.configure_argv(plan, src, cmake, ninja)
     assert steps.needs_configure(plan, src, argv, fresh=False) == "first configure of this directory"
@@ -234,7 +234,7 @@ def test_reconfigure_only_when_options_change(tmp_path):
     plain = plan_build(build_dir=tmp_path, env={}, probe_fn=_no_gpu)
     assert steps.needs_configure(plain, src, steps.configure_argv(plain, src, cmake, ninja), False) == \
         "CMake options changed: --DGGML_AVX512=ON"
-    other = steps.configure_argv(plan, src, tc.Tool("/y/cmake", (3, 31)), ninja)
+    other = steps.configure_argv(plan, src, toolchain.Tool("/y/cmake", (3, 31)), ninja)
     assert steps.needs_configure(plan, src, other, False).startswith("another cmake: /y/cmake")
     # an option given last time and not now goes back to its default
     assert steps.unset_dropped(plain, {"options": plan.options}) == ["-UGGML_AVX512"]
@@ -253,9 +253,9 @@ def _script(path: Path, body: str) -> Path:
 def test_cmake_too_old(tmp_path, monkeypatch):
     _script(tmp_path / "cmake", 'echo "cmake version 3.10.2"\n')
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(tc, "_pypi_bin", lambda module, attr: None)
+    monkeypatch.setattr(toolchain, "_pypi_bin", lambda module, attr: None)
     with pytest.raises(BuildError, match=r"too old.*3\.14.*3\.10\.2.*pip install -U cmake"):
-        tc.find_cmake()
+        toolchain.find_cmake()
 
 
 def test_old_cmake_on_path_falls_back_to_pypi(tmp_path, monkeypatch):
@@ -264,8 +264,8 @@ def test_old_cmake_on_path_falls_back_to_pypi(tmp_path, monkeypatch):
     _script(tmp_path / "path" / "cmake", 'echo "cmake version 3.10.2"\n')
     new = _script(tmp_path / "wheel" / "cmake", 'echo "cmake version 3.31.6"\n')
     monkeypatch.setenv("PATH", str(tmp_path / "path"))
-    monkeypatch.setattr(tc, "_pypi_bin", lambda module, attr: str(tmp_path / "wheel"))
-    assert tc.find_cmake() == tc.Tool(str(new), (3, 31, 6))
+    monkeypatch.setattr(toolchain, "_pypi_bin", lambda module, attr: str(tmp_path / "wheel"))
+    assert toolchain.find_cmake() == toolchain.Tool(str(new), (3, 31, 6))
 
 
 def test_the_cmake_a_directory_was_configured_with_is_kept(tmp_path, monkeypatch):
@@ -274,12 +274,12 @@ def test_the_cmake_a_directory_was_configured_with_is_kept(tmp_path, monkeypatch
     on_path = _script(tmp_path / "path" / "cmake", 'echo "cmake version 3.25.1"\n')
     configured = _script(tmp_path / "venv" / "cmake", 'echo "cmake version 4.4.5"\n')
     monkeypatch.setenv("PATH", str(tmp_path / "path"))
-    monkeypatch.setattr(tc, "_pypi_bin", lambda module, attr: None)
-    assert tc.find_cmake().path == str(on_path)
-    assert tc.find_cmake(prefer=str(configured)).path == str(configured)
-    assert tc.find_cmake(prefer=str(tmp_path / "gone" / "cmake")).path == str(on_path)
+    monkeypatch.setattr(toolchain, "_pypi_bin", lambda module, attr: None)
+    assert toolchain.find_cmake().path == str(on_path)
+    assert toolchain.find_cmake(prefer=str(configured)).path == str(configured)
+    assert toolchain.find_cmake(prefer=str(tmp_path / "gone" / "cmake")).path == str(on_path)
     _script(configured, 'echo "cmake version 3.10.0"\n')  # too old now: not kept
-    assert tc.find_cmake(prefer=str(configured)).path == str(on_path)
+    assert toolchain.find_cmake(prefer=str(configured)).path == str(on_path)
 
 
 def test_configured_tools_read_from_the_state(tmp_path):
@@ -295,8 +295,8 @@ def test_no_compiler(tmp_path, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(BuildError, match="No C .*C\\+\\+.*compiler was found.*build-essential"):
-        tc.check_compilers({})
-    assert tc.check_compilers({"CMAKE_C_COMPILER": "/a/cc", "CMAKE_CXX_COMPILER": "/a/c++"}) == (None, None)
+        toolchain.check_compilers({})
+    assert toolchain.check_compilers({"CMAKE_C_COMPILER": "/a/cc", "CMAKE_CXX_COMPILER": "/a/c++"}) == (None, None)
 
 
 def test_disk_space_checked_up_front(tmp_path, monkeypatch):
@@ -385,7 +385,7 @@ def test_load_manifest_without_build(tmp_path):
 
 
 def test_cli_dry_run(capsys, monkeypatch, restore_logging):
-    monkeypatch.setattr(tc, "probe_cuda", _no_gpu)
+    monkeypatch.setattr(toolchain, "probe_cuda", _no_gpu)
     monkeypatch.delenv("CMAKE_ARGS", raising=False)
     assert cli.main(["build", "--dry-run", "--cmake-arg", "-DGGML_AVX512=ON", "-DGGML_LTO=ON"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -428,8 +428,8 @@ def fake_toolchain(tmp_path, monkeypatch):
     _script(bindir / "cmake", FAKE_CMAKE)
     _script(bindir / "ninja", FAKE_NINJA)
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(tc, "_pypi_bin", lambda module, attr: None)
-    monkeypatch.setattr(tc, "probe_cuda", _no_gpu)
+    monkeypatch.setattr(toolchain, "_pypi_bin", lambda module, attr: None)
+    monkeypatch.setattr(toolchain, "probe_cuda", _no_gpu)
     monkeypatch.delenv("CMAKE_ARGS", raising=False)
     src = tmp_path / "llama.cpp"
     (src / "include").mkdir(parents=True)

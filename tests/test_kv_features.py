@@ -755,7 +755,8 @@ def test_quantized_k_shift_without_rotation(llama, gguf_models, type_k):
     LLAMA_ATTN_ROT_DISABLE=1 dereferenced a NULL rotation matrix (segfault).
     Run in a subprocess so that a regression fails this test only; the split
     must be active and give identical results there too."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **{ROT_DISABLE: "1", FORCE_SPLIT: "1"})
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+               **{ROT_DISABLE: "1", FORCE_SPLIT: "1"})
     env.setdefault(BUILD_DIR_ENV, str(find_manifest().build_dir))
     res = subprocess.run([sys.executable, "-c", _ROT_SCRIPT, str(gguf_models["llama-gqa"]), type_k],
                          capture_output=True, text=True, env=env, timeout=300)

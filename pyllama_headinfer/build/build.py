@@ -43,11 +43,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Mapping, Optional, Sequence
 
-from pyllama_headinfer.build import toolchain as tc
+from pyllama_headinfer.build import toolchain
 from pyllama_headinfer import pin
 from pyllama_headinfer.build.lock import build_lock
 from pyllama_headinfer.build.plan import plan_build
-from pyllama_headinfer.build.steps import STATE_NAME, bindings_fingerprint, build_bindings, configure_if_needed, configured_tools, configured_with_tools, interrupted_error, library_targets, phony_outputs, run_ninja, select_targets
+from pyllama_headinfer.build.steps import (STATE_NAME, bindings_fingerprint, build_bindings, configure_if_needed,
+                                           configured_tools, configured_with_tools, interrupted_error, library_targets,
+                                           phony_outputs, run_ninja, select_targets)
 from pyllama_headinfer.errors import BuildError
 from pyllama_headinfer.build.record import manifest_record, write_json
 from pyllama_headinfer.runtime.manifest import MANIFEST_NAME, read_json
@@ -125,9 +127,10 @@ def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch,
         say(note)
     d = plan.build_dir
     prefer_cmake, prefer_ninja = (None, None) if fresh else configured_tools(d)
-    cmake = tc.find_cmake(tc.CMAKE_MIN_CUDA if plan.backend == "cuda" else tc.CMAKE_MIN_CPU, prefer=prefer_cmake)
-    ninja = tc.find_ninja(prefer=prefer_ninja)
-    tc.check_compilers(plan.options)
+    minimum = toolchain.CMAKE_MIN_CUDA if plan.backend == "cuda" else toolchain.CMAKE_MIN_CPU
+    cmake = toolchain.find_cmake(minimum, prefer=prefer_cmake)
+    ninja = toolchain.find_ninja(prefer=prefer_ninja)
+    toolchain.check_compilers(plan.options)
 
     try:
         d.mkdir(parents=True, exist_ok=True)

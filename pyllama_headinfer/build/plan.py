@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from pyllama_headinfer.build import toolchain as tc
+from pyllama_headinfer.build import toolchain
 from pyllama_headinfer import paths, pin
 from pyllama_headinfer.errors import BuildError
 
@@ -90,7 +90,7 @@ def cmake_truthy(value: str) -> bool:
 
 
 def _arch_slug(archs: str) -> str:
-    if archs == tc.DEFAULT_CUDA_ARCHS:
+    if archs == toolchain.DEFAULT_CUDA_ARCHS:
         return ""
     if archs in ("native", "all", "all-major"):
         return archs
@@ -154,7 +154,8 @@ def _user_options(cmake_args: Sequence[str], env: Mapping[str, str]) -> Tuple[Di
     return options, types
 
 
-def _choose_cuda(cuda: Optional[bool], user: Dict[str, str], probe_fn) -> Tuple[bool, Optional["tc.CudaProbe"], List[str]]:
+def _choose_cuda(cuda: Optional[bool], user: Dict[str, str],
+                 probe_fn) -> Tuple[bool, Optional["toolchain.CudaProbe"], List[str]]:
     notes: List[str] = []
     if "GGML_CUDA" in user:
         wanted = cmake_truthy(user["GGML_CUDA"])
@@ -192,7 +193,7 @@ def plan_build(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
                probe_fn=None) -> BuildPlan:
     """Decides backend, options, key and directory, without touching the disk."""
     env = os.environ if env is None else env
-    probe_fn = probe_fn or tc.probe_cuda
+    probe_fn = probe_fn or toolchain.probe_cuda
     if sanitize is not None and sanitize not in SANITIZERS:
         raise BuildError(f"--sanitize must be one of {', '.join(SANITIZERS)}, not {sanitize!r}")
     user, user_types = _user_options(cmake_args, env)
@@ -205,7 +206,7 @@ def plan_build(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
     nvcc = None
     if use_cuda:
         assert probe is not None
-        arch = cuda_arch or user.get("CMAKE_CUDA_ARCHITECTURES") or probe.local_archs() or tc.DEFAULT_CUDA_ARCHS
+        arch = cuda_arch or user.get("CMAKE_CUDA_ARCHITECTURES") or probe.local_archs() or toolchain.DEFAULT_CUDA_ARCHS
         nvcc = user.get("CMAKE_CUDA_COMPILER") or probe.nvcc
         options.update({"GGML_CUDA": "ON", "CMAKE_CUDA_ARCHITECTURES": arch, "CMAKE_CUDA_COMPILER": nvcc})
         if not (cuda_arch or "CMAKE_CUDA_ARCHITECTURES" in user):
@@ -245,5 +246,5 @@ def default_build_dir(backend: str = "cpu", *, cuda_arch: Optional[str] = None,
     if backend not in ("cpu", "cuda"):
         raise ValueError(f"backend must be 'cpu' or 'cuda', not {backend!r}")
     if backend == "cuda" and cuda_arch is None:
-        cuda_arch = tc.probe_cuda().local_archs() or tc.DEFAULT_CUDA_ARCHS
+        cuda_arch = toolchain.probe_cuda().local_archs() or toolchain.DEFAULT_CUDA_ARCHS
     return paths.build_root() / config_key(backend, cuda_arch, sanitize, build_type)

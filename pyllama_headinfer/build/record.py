@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import List, Mapping, Optional
 
 from pyllama_headinfer import pin
-from pyllama_headinfer.build import toolchain as tc
+from pyllama_headinfer.build import toolchain
 from pyllama_headinfer.build.plan import TOOL_TARGETS, BuildPlan, cmake_truthy
 from pyllama_headinfer.runtime.manifest import MANIFEST_FORMAT
 
@@ -50,11 +50,11 @@ def sanitizer_preload(cc: Optional[str], sanitize: Optional[str]) -> List[str]:
     return [os.path.realpath(path)] if os.path.isabs(path) and os.path.exists(path) else []
 
 
-def manifest_record(plan: BuildPlan, source_tree: Path, series_hash: str, cmake: tc.Tool, ninja: tc.Tool,
+def manifest_record(plan: BuildPlan, source_tree: Path, series_hash: str, cmake: toolchain.Tool, ninja: toolchain.Tool,
               configure_argv: List[str], targets: Mapping[str, str], libs: Mapping[str, str],
               seconds: float, up_to_date: bool, steps: int) -> dict:
     d = plan.build_dir
-    compilers = tc.compilers_used(d, cmake.version)
+    compilers = toolchain.compilers_used(d, cmake.version)
     cc = (compilers.get("c") or {}).get("path")
     return {
         "format": MANIFEST_FORMAT,
@@ -72,7 +72,7 @@ def manifest_record(plan: BuildPlan, source_tree: Path, series_hash: str, cmake:
         "build_tools": {
             "cmake": cmake.as_dict(),
             "ninja": ninja.as_dict(),
-            "ccache": tc.find_ccache() if cmake_truthy(plan.options.get("GGML_CCACHE", "ON")) else None,
+            "ccache": toolchain.find_ccache() if cmake_truthy(plan.options.get("GGML_CCACHE", "ON")) else None,
         },
         "source_tree": str(source_tree),
         "include_dirs": [str(source_tree / "include"), str(source_tree / "ggml" / "include")],

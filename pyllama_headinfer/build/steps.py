@@ -27,7 +27,7 @@ import subprocess
 from pathlib import Path
 from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from pyllama_headinfer.build import toolchain as tc
+from pyllama_headinfer.build import toolchain
 from pyllama_headinfer.build.lock import held_lock_fds
 from pyllama_headinfer.build.plan import TOOL_TARGETS, BuildPlan
 from pyllama_headinfer.errors import BuildError, BuildInterrupted, HeadInferError
@@ -70,7 +70,7 @@ def configure_if_needed(plan, source_tree, cmake, ninja, fresh, log, log_path, r
         _wipe_cmake_cache(d)
         previous = None
     (d / STATE_NAME).unlink(missing_ok=True)
-    say(f"Configuring with CMake {tc.fmt_version(cmake.version)} ({reason}) ...")
+    say(f"Configuring with CMake {toolchain.fmt_version(cmake.version)} ({reason}) ...")
     rc = run_logged(argv + unset_dropped(plan, previous), log, cwd=d, echo=echo, env=run_env)
     if rc != 0:
         raise _fail("Configuring llama.cpp with CMake", rc, log_path, say,
@@ -104,7 +104,7 @@ def needs_configure(plan: BuildPlan, source_tree: Path, argv: List[str], fresh: 
     return None
 
 
-def configure_argv(plan: BuildPlan, source_tree: Path, cmake: tc.Tool, ninja: tc.Tool) -> List[str]:
+def configure_argv(plan: BuildPlan, source_tree: Path, cmake: toolchain.Tool, ninja: toolchain.Tool) -> List[str]:
     """The configure command (without the -U of options dropped since last time)."""
     return [cmake.path, "-S", str(source_tree), "-B", str(plan.build_dir), "-G", "Ninja",
             f"-DCMAKE_MAKE_PROGRAM={ninja.path}", *plan.defines()]
@@ -162,7 +162,7 @@ def select_targets(d: Path, phonies: Mapping[str, str], libs: Mapping[str, str],
     return targets
 
 
-def run_ninja(d: Path, ninja: tc.Tool, targets: List[str], jobs: Optional[int], log, log_path, run_env, echo,
+def run_ninja(d: Path, ninja: toolchain.Tool, targets: List[str], jobs: Optional[int], log, log_path, run_env, echo,
              out, say) -> Tuple[int, bool]:
     argv = [ninja.path, "-C", str(d)] + (["-j", str(jobs)] if jobs else []) + targets
     progress = Progress(out)

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from pyllama_headinfer.build import toolchain as tc
+from pyllama_headinfer.build import toolchain
 from pyllama_headinfer.build.build import build
 from pyllama_headinfer.build.plan import BUILD_TYPES, SANITIZERS, plan_build
 from pyllama_headinfer.errors import EXIT_OK
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     backend.add_argument("--no-cuda", dest="cuda", action="store_false", help="build for CPU only")
     cfg.add_argument("--cuda-arch", metavar="ARCHS",
                      help="CMAKE_CUDA_ARCHITECTURES, e.g. 90 or '86;90' (default: the visible GPUs', "
-                          f"else {tc.DEFAULT_CUDA_ARCHS})")
+                          f"else {toolchain.DEFAULT_CUDA_ARCHS})")
     cfg.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE",
                      help="CMake option passed through, like cmake's own -D (repeatable)")
     # nargs="?": in `--cmake-arg -DX=Y` argparse hands "-DX=Y" to -D above

@@ -185,7 +185,8 @@ def _frac_for_server(model: Path, vram_budget, margin, extra: Sequence[str], all
     types = [(type_k or "f16")] if given else ["f16", "q8_0", "q4_0"]
     try:
         params = ContextParams(n_ctx=n_ctx, n_seq_max=n_parallel, kv_unified=unified, n_batch=batch,
-                               n_ubatch=_int_option(extra, "ubatch", min(batch, 512)), headinfer_vram_budget=vram_budget)
+                               n_ubatch=_int_option(extra, "ubatch", min(batch, 512)),
+                               headinfer_vram_budget=vram_budget)
         ranking = rank_options(info, params, types=types, n_gpu_layers=_int_option(extra, "ngl", -1), margin=margin)
     except (PlanError, ValueError) as exc:
         raise UsageError(f"--vram-budget: {exc}") from None

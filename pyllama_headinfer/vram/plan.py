@@ -71,7 +71,9 @@ import numpy as np
 
 from pyllama_headinfer.params import ContextParams, format_bytes, parse_size
 from pyllama_headinfer.vram.gguf import GGUFFile
-from pyllama_headinfer.vram.memory import FORCE_SPLIT_ENV, PAD_CTX, Geometry, KVLayer, Settings, Weights, block_of, ggml_type, compute_estimate, cuda_alloc_size, geometry, gpu_layer_start, kv_layers, n_resident, row_size, weights
+from pyllama_headinfer.vram.memory import (FORCE_SPLIT_ENV, PAD_CTX, Geometry, KVLayer, Settings, Weights, block_of,
+                                           ggml_type, compute_estimate, cuda_alloc_size, geometry, gpu_layer_start,
+                                           kv_layers, n_resident, row_size, weights)
 from pyllama_headinfer.errors import BudgetTooSmallError, NothingFitsError, PlanError, UnsupportedModelError
 from pyllama_headinfer.vram.model import ModelInfo, read_model_info
 
