@@ -147,7 +147,8 @@ def run_sweep(model, points: Sequence[BenchPoint], *, progress: Optional[Callabl
     results = []
     for i, point in enumerate(points, 1):
         log.info("[%d/%d] depth %d, KV %s, %s ...", i, len(points), point.depth, point.kv,
-                 f"budget {point.vram_budget}" if point.vram_budget is not None else f"frac {point.frac or 1.0:g}")
+                 f"budget {point.vram_budget}" if point.vram_budget is not None
+                 else f"frac {1.0 if point.frac is None else point.frac:g}")
         try:
             result = run_point(model, point, **kwargs)
         except HeadInferError as exc:
