@@ -399,6 +399,7 @@ def test_cli_dry_run(capsys, monkeypatch, restore_logging):
 
 FAKE_CMAKE = """\
 case "$1" in --version) echo "cmake version 3.28.3"; exit 0;; esac
+ARGS=" $* "
 while [ $# -gt 0 ]; do [ "$1" = "-B" ] && B="$2"; shift; done
 echo "-- The C compiler identification is GNU 12.2.0"
 mkdir -p "$B/bin" "$B/CMakeFiles/3.28.3"
@@ -407,11 +408,13 @@ echo 'set(CMAKE_C_COMPILER_ID "GNU")' >> "$B/CMakeFiles/3.28.3/CMakeCCompiler.cm
 echo 'set(CMAKE_C_COMPILER_VERSION "12.2.0")' >> "$B/CMakeFiles/3.28.3/CMakeCCompiler.cmake"
 echo "CMAKE_BUILD_TYPE:STRING=Release" > "$B/CMakeCache.txt"
 printf 'build ggml: phony bin/libggml.so\\nbuild llama: phony bin/libllama.so\\n' > "$B/build.ninja"
+case "$ARGS" in *" -DLLAMA_BUILD_TOOLS=ON "*) printf 'build llama-server: phony bin/llama-server\\n' >> "$B/build.ninja";; esac
 """
 
 FAKE_NINJA = """\
 case "$1" in --version) echo "1.11.1"; exit 0;; esac
 B="$2"
+echo "$@" >> "$B/ninja-argv.log"
 case "$FAKE_NINJA_MODE" in
   ok) for i in 1 2 3 4; do echo "[$i/4] Building CXX object x$i.o"; done
       touch "$B/bin/libggml.so" "$B/bin/libllama.so"; exit 0;;
@@ -467,6 +470,7 @@ def test_a_plain_build_keeps_the_tools_of_the_directory(fake_toolchain, monkeypa
     plain = B.build(build_dir=d, bindings=False, out=out)
     assert not plain.configured and "Keeping llama-cli, llama-server and llama-bench" in out.getvalue()
     assert read_manifest(d).data["cmake_options"]["LLAMA_BUILD_TOOLS"] == "ON"
+    assert (d / "ninja-argv.log").read_text().splitlines()[-1].endswith("llama-server")  # and they are rebuilt
     again = B.build(build_dir=d, bindings=False, out=io.StringIO(), tools=True)
     assert not again.configured
     out = io.StringIO()

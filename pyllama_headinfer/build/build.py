@@ -157,7 +157,7 @@ def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch,
             state = read_json(d / STATE_NAME) or {}
             phonies = phony_outputs(d)
             libs = library_targets(phonies)
-            targets = select_targets(d, phonies, libs, tools, log_path, say)
+            targets = select_targets(d, phonies, libs, plan.tools, log_path, say)
             steps, no_work = run_ninja(d, ninja, targets, jobs, log, log_path, run_env, echo, out, say)
 
         up_to_date = no_work and not configured
