@@ -10,7 +10,7 @@ Steps (see docs/BUILD.md for the user's view):
    configured with exactly these options and this source tree;
 5. ``ninja <library targets>`` with a progress display; the full log is
    ``<build_dir>/build.log``;
-6. compile the cffi bindings (when that module is present) and write
+6. compile the cffi bindings and write
    ``<build_dir>/manifest.json``, which is how the bindings find the libraries.
 
 Where the code lives (this module: :func:`build`, which runs the steps in

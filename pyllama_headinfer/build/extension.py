@@ -205,7 +205,7 @@ def compile_extension(build_dir: Path, source_tree: Path, lib_dir: Path, *, stam
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pyllama_headinfer._cffi_build BUILD_DIR SOURCE_TREE LIB_DIR`` (for development)."""
+    """``python -m pyllama_headinfer.build.extension BUILD_DIR SOURCE_TREE LIB_DIR`` (for development)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3:
         print(main.__doc__, file=sys.stderr)

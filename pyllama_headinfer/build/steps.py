@@ -27,7 +27,7 @@ import subprocess
 from pathlib import Path
 from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from pyllama_headinfer.build import toolchain
+from pyllama_headinfer.build import extension, toolchain
 from pyllama_headinfer.build.lock import held_lock_fds
 from pyllama_headinfer.build.plan import TOOL_TARGETS, BuildPlan
 from pyllama_headinfer.errors import BuildError, BuildInterrupted, HeadInferError
@@ -267,17 +267,10 @@ def interrupted_error() -> BuildInterrupted:
 # the cffi bindings
 
 
-def bindings_fingerprint(source_tree: Path, series_hash: str) -> Optional[str]:
+def bindings_fingerprint(source_tree: Path, series_hash: str) -> str:
     """Hash of everything the cffi extension is compiled from, to skip recompiling it."""
-    try:
-        from pyllama_headinfer.build import extension as _cffi_build
-    except ImportError:
-        return None
     h = hashlib.sha256(series_hash.encode())
-    files = [Path(_cffi_build.__file__), source_tree / "include" / "llama.h"]
-    decl = getattr(_cffi_build, "DECL_DIR", None)
-    if decl is not None:
-        files += sorted(Path(decl).glob("*"))
+    files = [Path(extension.__file__), source_tree / "include" / "llama.h", *sorted(extension.DECL_DIR.glob("*"))]
     for f in files:
         try:
             h.update(f.name.encode() + b"\0" + f.read_bytes())
@@ -288,19 +281,13 @@ def bindings_fingerprint(source_tree: Path, series_hash: str) -> Optional[str]:
 
 def build_bindings(plan: BuildPlan, source_tree: Path, lib_dir: Path, previous: Optional[dict],
                     libs_rebuilt: bool, fingerprint: Optional[str], say) -> Optional[str]:
-    try:
-        from pyllama_headinfer.build import extension as _cffi_build
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.endswith("_cffi_build"):
-            return None
-        raise
     old = (previous or {}).get("bindings")
     if (not libs_rebuilt and old and Path(old).is_file() and fingerprint
             and (previous or {}).get("bindings_fingerprint") == fingerprint):
         return old
     say("Compiling the cffi bindings ...")
     try:
-        return str(_cffi_build.compile_extension(plan.build_dir, source_tree, lib_dir))
+        return str(extension.compile_extension(plan.build_dir, source_tree, lib_dir))
     except HeadInferError:
         raise
     except Exception as exc:  # noqa: BLE001 - a compiler failure must not become a traceback

@@ -1,7 +1,7 @@
 """``patch check``: whether each patch applies to a tree, per hunk for those that fail.
 
 :func:`check` tries the patches one by one in a
-:class:`~.patch_workspace.Workspace` (after the ones the tree already
+:class:`~.workspace.Workspace` (after the ones the tree already
 carries) and parses ``git apply --reject -v`` into per-hunk verdicts; the
 :class:`CheckReport` also says whether ``apply`` would accept the tree.
 Read-only.

@@ -6,7 +6,7 @@
 * MODIFIED: anything else (files edited by hand, extra or missing files).
 
 The files outside the series are compared with the pin directly; the files it
-touches are undone and redone in a :class:`~.patch_workspace.Workspace` to
+touches are undone and redone in a :class:`~.workspace.Workspace` to
 find how many leading patches they carry (and, for a MODIFIED tree, which
 files fit no patch level). Read-only.
 """

@@ -1,7 +1,7 @@
 """The package's one GGUF reader: a file's header, metadata and tensor index,
 read by walking the mapped file once (no weight is read).
 
-    from pyllama_headinfer.gguf_meta import read_gguf
+    from pyllama_headinfer.vram.gguf import read_gguf
 
     g = read_gguf("model.gguf")
     g.metadata["general.architecture"]      # "llama"
@@ -10,7 +10,7 @@ read by walking the mapped file once (no weight is read).
 
 Used by :func:`pyllama_headinfer.api.gguf_check.check_gguf` (the pre-flight
 check before llama.cpp sees a file) and by
-:func:`pyllama_headinfer.plan_model.read_model_info` (the plan's model facts).
+:func:`pyllama_headinfer.vram.model.read_model_info` (the plan's model facts).
 
 * Fast: ``gguf.GGUFReader`` builds numpy views of every token and needs
   seconds for a 128k vocabulary; this skips over string arrays (the

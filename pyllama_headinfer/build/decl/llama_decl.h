@@ -5,7 +5,7 @@
  *   - `...;` at the end of a struct makes it *partial*: the C compiler fills
  *     in size, alignment and offsets from the real header, and every field
  *     named here is checked against it (a missing field is a compile error;
- *     a field of the wrong type is one too, see _cffi_build.py, which adds
+ *     a field of the wrong type is one too, see build/extension.py, which adds
  *     -Werror and a _Static_assert per field and per function).
  *   - `...` in an enum lets the compiler supply the values and the size.
  *   - Only the fields we read or write are named; everything else in the

@@ -1,11 +1,11 @@
 /*
- * cffi declarations of the small C shim that _cffi_build.py compiles into the
- * extension module next to llama.h (cdef syntax; the C side lives in
- * _cffi_build.SHIM_SOURCE).
+ * cffi declarations of the small C shim that build/extension.py compiles into
+ * the extension module next to llama.h (cdef syntax; the C side lives in
+ * extension.SHIM_SOURCE).
  */
 
 /* "<pin commit> <series hash>" of the tree the module was compiled against;
-   bindings.py refuses a module whose stamp differs from the current checkout. */
+   runtime/bindings.py refuses a module whose stamp differs from the current checkout. */
 const char * pyllama_stamp(void);
 
 /* 1 when libllama exports the HeadInfer residency functions (they are
