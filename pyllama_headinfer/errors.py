@@ -15,6 +15,7 @@ anything else is a bug and keeps its traceback.
   ``ModelError``        a file is not a loadable GGUF model
   ``ClosedError``       use of a closed Model/Context/Sampler (also a RuntimeError)
   ``ContextError``      llama.cpp could not create a context, or refused an operation
+    ``ChatTemplateError``   no usable chat template, or messages it cannot format (also a ValueError)
   ``DecodeError``       ``llama_decode`` failed (``code``: its return value)
   ``StateError``        saving or restoring a context state failed
   ``ServeError``        ``serve``: llama-server could not be started (or died while starting)
@@ -79,6 +80,10 @@ class ClosedError(HeadInferError, RuntimeError):
 
 class ContextError(HeadInferError):
     """llama.cpp could not create the context, or an operation on it failed."""
+
+
+class ChatTemplateError(ContextError, ValueError):
+    """No usable chat template, or messages it cannot format."""
 
 
 class DecodeError(HeadInferError):

@@ -63,9 +63,11 @@ def test_bench_cli_table_and_json(models, gguf_models, force_split, tmp_path, ca
     rc = cli.main(["bench", "-m", str(gguf_models["llama-gqa"]), "--fracs", "1,0.25", "--depths", "0,32",
                    "--types", "f16,q8_0", "-n", "2", "--batch", "16", "--json", str(out), "--no-plot"])
     assert rc == 0
-    table = capsys.readouterr().out.splitlines()
+    text = capsys.readouterr().out
+    table = text.split("\n\n")[0].splitlines()  # then the same points by device KV (the equal-VRAM view)
     assert table[0].split()[:3] == ["frac", "depth", "KV"]
     assert len(table) == 2 + 8  # header, rule, 2 fracs x 2 depths x 2 types
+    assert "at depth 32, by device KV" in text
     rows = json.loads(out.read_text())
     assert [(r["frac"], r["depth"], r["type_k"]) for r in rows][:4] == [
         (1.0, 0, "f16"), (0.25, 0, "f16"), (1.0, 32, "f16"), (0.25, 32, "f16")]
@@ -105,3 +107,23 @@ def test_bench_cli_missing_model(tmp_path, capsys):
     rc = cli.main(["bench", "-m", str(tmp_path / "nope.gguf"), "--depths", "0"])
     err = capsys.readouterr().err
     assert rc == 2 and "model file not found" in err and "Traceback" not in err
+
+
+def test_kv_types_sweep_prints_the_equal_vram_table_and_calibrates(built, gguf_models, force_split, capsys,
+                                                                    isolated_cache, tmp_path):
+    """bench --kv-types f16,q8_0 (issue 17.4): the points again, ordered by device KV with exactness;
+    --calibrate stores speed constants that plan then uses instead of the H200 defaults."""
+    from pyllama_headinfer.vram import speed as plan_speed
+
+    rc = cli.main(["bench", "--model", str(gguf_models["llama-gqa"]), "--kv-types", "f16,q8_0", "--fracs", "1,0.5",
+                   "--depths", "0,64", "-n", "4", "--no-plot", "--calibrate", "--threads", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    table = out[out.index("at depth 64, by device KV"):]
+    rows = [line.split() for line in table.splitlines()[2:] if line.strip() and not line.startswith("at depth")]
+    rows = rows[:4]
+    assert [(r[0], r[1]) for r in rows] == [("q8_0", "0.5"), ("f16", "0.5"), ("q8_0", "1"), ("f16", "1")]
+    assert [r[4] for r in rows] == ["no", "yes", "no", "yes"] and rows[3][3] == "1.00x"
+    stored = plan_speed.load_calibration()
+    assert stored is not plan_speed.H200_DEFAULTS and stored.source.startswith("calibrated with bench on")
+    assert stored.kv_rate["f16"] > 0 and stored.kv_rate["q8_0"] > 0

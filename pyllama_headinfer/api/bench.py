@@ -61,6 +61,7 @@ class BenchResult:
     n_layers_split: int
     n_layers: int
     error: Optional[str] = None  # why this point could not be measured (e.g. out of device memory)
+    n_ctx_cells: int = 0  # KV cells the context allocated (what the KV bytes are for)
 
     @classmethod
     def failed(cls, point: BenchPoint, error: str) -> "BenchResult":
@@ -133,10 +134,12 @@ def run_point(model, point: BenchPoint, *, n_gen: int = 32, n_batch: int = 512, 
             ctx.synchronize()
             decode_tps.append(n_gen / (time.perf_counter() - t0))
         frac = ctx.headinfer_gpu_heads_frac
+        cells = ctx.n_ctx
     device, host, n_split, n_layers = _kv_bytes(report)
     return BenchResult(point=point, frac=frac, prompt_tps=statistics.mean(prompt_tps) if prompt_tps else None,
                        decode_tps=statistics.mean(decode_tps), decode_tps_runs=decode_tps,
-                       device_kv_bytes=device, host_kv_bytes=host, n_layers_split=n_split, n_layers=n_layers)
+                       device_kv_bytes=device, host_kv_bytes=host, n_layers_split=n_split, n_layers=n_layers,
+                       n_ctx_cells=cells)
 
 
 def run_sweep(model, points: Sequence[BenchPoint], *, progress: Optional[Callable[[int, int, BenchResult], None]] = None,

@@ -16,6 +16,7 @@ import numpy as np
 
 from pyllama_headinfer.api.handle import serialized
 from pyllama_headinfer.api.sampler import Sampler
+from pyllama_headinfer.api.shared_prefix import generate_shared
 from pyllama_headinfer.errors import ContextOverflowError, DecodeError
 from pyllama_headinfer.params import check_count
 from pyllama_headinfer.runtime.log import checked_call
@@ -249,3 +250,30 @@ class Decoding:
         prompt = self.model.tokenize(text, add_special=add_special)
         out = [t for t in self.generate(prompt, max_tokens, sampler) if not self.model.is_eog(t)]
         return self.model.detokenize(out)
+
+    def chat(self, messages, max_tokens: int = 256, sampler: Sampler | None = None,
+             template: str | None = None) -> str:
+        """The assistant's reply to ``messages`` (a chat, formatted by
+        :meth:`Model.apply_chat_template`; the context's sequence 0 is reset)."""
+        prompt = self.model.apply_chat_template(messages, add_generation_prompt=True, template=template)
+        tokens = self.model.tokenize(prompt, add_special=True, parse_special=True)
+        out = [t for t in self.generate(tokens, max_tokens, sampler) if not self.model.is_eog(t)]
+        return self.model.detokenize(out)
+
+    @serialized
+    def generate_shared(self, prompt_tokens: Sequence[int], n: int, max_tokens: int,
+                        samplers: Sequence[Sampler] | None = None, *, stop_at_eog: bool = True) -> list[list[int]]:
+        """``n`` continuations of one prompt, decoded together.
+
+        The prompt is evaluated once, in sequence 0; sequences 1..n-1 share
+        its KV cells (``seq_cp`` -- no copy in a unified cache), and every
+        step decodes the next token of all unfinished sequences in one batch,
+        so each step's attention reads the shared prefix once for all of them
+        (with HeadInfer: one upload of the host heads per step, not n).
+
+        Needs ``n_seq_max >= n`` and ``kv_unified=True``; ``samplers``: one
+        per sequence (default: greedy for all -- then every continuation is
+        the same, which makes the result easy to check against one sequence).
+        Returns the n token lists; clears sequences 0..n-1 first.
+        """
+        return generate_shared(self, prompt_tokens, n, max_tokens, samplers, stop_at_eog=stop_at_eog)

@@ -12,6 +12,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from pyllama_headinfer.api.chat import apply_chat_template
 from pyllama_headinfer.api.handle import Handle
 from pyllama_headinfer.errors import HeadInferError, ModelError, TokenError
 from pyllama_headinfer.runtime import bindings
@@ -168,6 +169,12 @@ class Model(Handle):
     def token_eos(self) -> int:
         self._ptr()
         return int(self._lib.llama_vocab_eos(self._vocab))
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, template: str | None = None) -> str:
+        """The prompt for ``messages`` (``[{"role": "user", "content": "..."}, ...]``) in this
+        model's chat format, by llama.cpp's ``llama_chat_apply_template``; ``template``: a
+        known name ("chatml", "llama3", ...) or template text for models without one."""
+        return apply_chat_template(self, messages, add_generation_prompt, template)
 
     def is_eog(self, token: int) -> bool:
         self._ptr()

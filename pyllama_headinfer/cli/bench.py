@@ -21,9 +21,12 @@ import sys
 from pathlib import Path
 
 from pyllama_headinfer.api.bench import run_sweep, sweep_points
+from pyllama_headinfer.api.devices import list_devices
 from pyllama_headinfer.api.model import Model
 from pyllama_headinfer.errors import EXIT_FAILURE, EXIT_OK
-from pyllama_headinfer.params import KV_CACHE_TYPES, check_headinfer_frac, parse_size
+from pyllama_headinfer.params import KV_CACHE_TYPES, ContextParams, check_headinfer_frac, parse_size
+from pyllama_headinfer.vram.plan import plan_kv
+from pyllama_headinfer.vram.speed import calibrate, exact, save_calibration
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     headinfer.add_argument("--vram-budget", default=None,
                            help="instead of --fracs: derive the fraction from this GPU memory budget at every depth")
     parser.add_argument("--depths", default="0,4096", help="comma-separated context depths (default 0,4096)")
-    parser.add_argument("--types", default="f16",
+    parser.add_argument("--types", "--kv-types", dest="types", default="f16",
                         help="comma-separated KV types, K:V for different ones, e.g. f16,q8_0,q8_0:f16 (default f16)")
     parser.add_argument("-n", "--n-gen", type=int, default=32, help="decoded tokens per measurement (default 32)")
     parser.add_argument("--repeat", "-r", type=int, default=1, help="measurements per point, averaged (default 1)")
@@ -51,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, default=None,
                         help="plot file (default bench-<model>.png; needs matplotlib)")
     parser.add_argument("--no-plot", action="store_true", help="do not plot")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="fit the decode-speed constants of `plan` to this sweep and store them for this "
+                             "device (sweep frac 1 at two or more depths per KV type, and a split point)")
 
 
 def _list(text: str, convert, what: str) -> list:
@@ -99,6 +105,42 @@ def format_table(results) -> str:
     return "\n".join(lines)
 
 
+def format_equal_vram_table(results) -> str:
+    """The same points ordered by device KV, with exactness: what a byte of GPU memory buys."""
+    ok = [r for r in results if r.error is None]
+    if not ok:
+        return ""
+    lines = []
+    for depth in sorted({r.point.depth for r in ok}):
+        rs = [r for r in ok if r.point.depth == depth]
+        ref = next((r.device_kv_bytes + r.host_kv_bytes for r in rs
+                    if r.point.kv == "f16" and r.n_layers_split == 0), None)
+        lines.append(f"at depth {depth}, by device KV" + ("" if ref else " (no f16 frac-1 point to compare with)") + ":")
+        lines.append(f"  {'KV':>10} {'frac':>6} {'device KV MiB':>14} {'vs f16 whole':>12} {'exact':>5} "
+                     f"{'decode tok/s':>12}")
+        for r in sorted(rs, key=lambda r: (r.device_kv_bytes, -r.decode_tps)):
+            ratio = f"{r.device_kv_bytes / ref:.2f}x" if ref else "-"
+            lines.append(f"  {r.point.kv:>10} {r.frac:>6.3g} {r.device_kv_bytes / MIB:>14.1f} {ratio:>12} "
+                         f"{'yes' if exact(r.point.type_k, r.point.type_v) else 'no':>5} {r.decode_tps:>12.2f}")
+    return "\n".join(lines)
+
+
+def calibration_points(results, weights_bytes: int) -> list[dict]:
+    """bench results as the points :func:`pyllama_headinfer.vram.speed.calibrate` fits (KV bytes per token of context
+    from the allocation and its size in cells)."""
+    points = []
+    for r in results:
+        if r.error is not None:
+            continue
+        total = r.device_kv_bytes + r.host_kv_bytes
+        n_ctx = r.n_ctx_cells or r.point.depth + 1
+        points.append(dict(type_k=r.point.type_k, type_v=r.point.type_v, frac=r.frac, depth=r.point.depth,
+                           decode_tok_s=r.decode_tps, weights_bytes=weights_bytes,
+                           kv_bytes_per_token=total / n_ctx, host_kv_bytes_per_token=r.host_kv_bytes / n_ctx,
+                           n_split_layers=r.n_layers_split))
+    return points
+
+
 def save_plot(results, path: Path, title: str) -> bool:
     """Decode tok/s and device KV MiB against the fraction, one line per (depth, KV type).
     False when matplotlib is not installed."""
@@ -130,6 +172,16 @@ def save_plot(results, path: Path, title: str) -> bool:
     return True
 
 
+def calibrate_from(args: argparse.Namespace, gguf, results) -> None:
+    """``--calibrate``: fit the speed model's constants to these results and store them for this device."""
+    gpus = [d for d in list_devices() if d.type != "cpu"]
+    device = gpus[0].description if gpus else "CPU"
+    weights = plan_kv(gguf, ContextParams(n_ctx=4096), n_gpu_layers=args.ngl).weights.device_alloc
+    constants = calibrate(calibration_points(results, weights), device)
+    path = save_calibration(constants)
+    log.info("speed constants of %s stored in %s (plan and --vram-budget use them)", device, path)
+
+
 def run(args: argparse.Namespace) -> int:
     fracs = [check_headinfer_frac(f) for f in _list(DEFAULT_FRACS if args.fracs is None else args.fracs, float,
                                                     "fractions")]
@@ -148,7 +200,13 @@ def run(args: argparse.Namespace) -> int:
                             progress=lambda i, n, r: log.info("[%d/%d] frac %g: decode %.2f tok/s", i, n,
                                                               r.frac, r.decode_tps))
         title = f"{model.path.name}: {model.description}"
+        gguf = model.gguf  # for --calibrate: the file is not read again
     print(format_table(results))
+    if len(kv_types) > 1 or len(fracs) > 1:
+        print()
+        print(format_equal_vram_table(results))
+    if args.calibrate:
+        calibrate_from(args, gguf, results)
     for r in results:
         if r.error is not None:
             print(f"not measured: depth {r.point.depth}, KV {r.point.kv}, frac {r.frac:g}: {r.error}", file=sys.stderr)

@@ -236,7 +236,7 @@ class _LogPump(threading.Thread):
         for line in iter(self.stream.readline, ""):
             text = line.rstrip("\n")
             self.tail.append(text)
-            if "headinfer" in text:
+            if "headinfer:" in text.lower():  # llama.cpp's lines about the split ("... headinfer: ...")
                 self.headinfer.append(text)
             if self.echo is not None:
                 self.echo.write(line)

@@ -167,6 +167,11 @@ struct llama_context_params {
     ...;
 };
 
+typedef struct llama_chat_message {
+    const char * role;
+    const char * content;
+} llama_chat_message;
+
 typedef struct llama_sampler_chain_params {
     bool no_perf;
     ...;
@@ -212,6 +217,9 @@ struct llama_model * llama_model_load_from_file(const char * path_model, struct 
 void llama_model_free(struct llama_model * model);
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
 int32_t llama_model_n_ctx_train(const struct llama_model * model);
+const char * llama_model_chat_template(const struct llama_model * model, const char * name);
+int32_t llama_chat_apply_template(const char * tmpl, const struct llama_chat_message * chat, size_t n_msg,
+                                  bool add_ass, char * buf, int32_t length);
 int32_t llama_model_n_embd     (const struct llama_model * model);
 int32_t llama_model_n_layer    (const struct llama_model * model);
 int32_t llama_model_n_head     (const struct llama_model * model);

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One GPU session's measurements, on a machine without network (the H200 of the device tool).
+#
+#   scripts/h200_session.sh OUTDIR build    # CUDA build of the series (+ tools, test-backend-ops)
+#   scripts/h200_session.sh OUTDIR checks   # gpu_check --no-cuda-fusion, test-backend-ops, series checks
+#   scripts/h200_session.sh OUTDIR bench    # llama-bench: fractions x KV types at 8K/32K/128K, k-token steps
+#
+# Needs, in the checkout: .gpu-carry/llama.cpp-<pin commit>.tar.gz (a GitHub-style archive of the pin,
+# e.g. the sdist's vendor/llama.cpp packed under llama.cpp-<commit>/), and .whl/ with the wheels of
+# cffi, pycparser and gguf for the machine's python3 (the device tool's README says how).
+set -uo pipefail
+
+out=${1:?usage: $0 OUTDIR build|checks|bench}
+part=${2:?usage: $0 OUTDIR build|checks|bench}
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+mkdir -p "$out"
+export PYLLAMA_HEADINFER_CACHE=${PYLLAMA_HEADINFER_CACHE:-/tmp/hi-cache}
+mkdir -p "$PYLLAMA_HEADINFER_CACHE/downloads"
+cp -n .gpu-carry/llama.cpp-*.tar.gz "$PYLLAMA_HEADINFER_CACHE/downloads/" 2>/dev/null || true
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$root
+bdir=$root/build/cuda-sm90
+bench=$bdir/bin/llama-bench
+model=/tmp/b8.gguf
+
+case $part in
+build)
+    { time python3 -m pyllama_headinfer build --tools -j 16 -DLLAMA_BUILD_TESTS=ON; } > "$out/build.log" 2>&1
+    echo "build exit $?" >> "$out/build.log"
+    { time ninja -C "$bdir" test-backend-ops; } >> "$out/build.log" 2>&1
+    echo "test-backend-ops build exit $?" >> "$out/build.log"
+    ;;
+checks)
+    export GGML_CUDA_DISABLE_FUSION=1
+    { time python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
+    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
+    unset GGML_CUDA_DISABLE_FUSION
+    for op in SET_ROWS CONCAT CPY; do
+        "$bdir/bin/test-backend-ops" -o "$op" -b CUDA0 2>&1 | grep -E "OK|FAIL|passed|Backend|tests" | tail -4
+    done > "$out/test_backend_ops.txt" 2>&1
+    if [ -f scripts/gpu_series_check.sh ]; then
+        LLAMA_BUILD_DIR=$bdir bash scripts/gpu_series_check.sh "$bdir" > "$out/series_check.txt" 2>&1
+        echo "series check exit $?" >> "$out/series_check.txt"
+    fi
+    ;;
+bench)
+    [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model" > /dev/null
+    lb() {  # name, then llama-bench arguments: markdown to bench.md, JSON kept for the speed model check
+        local name=$1
+        shift
+        echo "== $name: llama-bench -m b8.gguf -ngl 99 -fa 1 $*" >> "$out/bench.md"
+        "$bench" -m "$model" -ngl 99 -fa 1 "$@" -o json > "$out/json/$name.json" 2>> "$out/bench.err"
+        python3 - "$out/json/$name.json" >> "$out/bench.md" <<'EOF'
+import json, sys
+text = open(sys.argv[1]).read()
+for r in json.loads(text[text.index("["):]) if "[" in text else []:
+    print(f"| {r['type_k']}/{r['type_v']} | hgf {r.get('headinfer_gpu_heads_frac', 1):g} | depth {r['n_depth']} "
+          f"| p {r['n_prompt']} n {r['n_gen']} | {r['avg_ts']:.2f} tok/s |")
+EOF
+    }
+    mkdir -p "$out/json"
+    lb f16_8k_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 1
+    lb q8_0_32k -ctk q8_0 -ctv q8_0 -hgf 1,0.5 -d 32768 -p 0 -n 32 -r 1
+    lb q4_0_32k -ctk q4_0 -ctv q4_0 -hgf 1,0.5 -d 32768 -p 0 -n 32 -r 1
+    lb ksteps_32k -ctk f16 -ctv f16 -hgf 1,0.5 -d 32768 -p 1,2,4,8,16 -n 0 -r 1
+    lb f16_128k -ctk f16 -ctv f16 -hgf 1,0.5 -d 131072 -p 0 -n 16 -r 1 -ub 2048
+    lb q8_0_128k -ctk q8_0 -ctv q8_0 -hgf 1 -d 131072 -p 0 -n 16 -r 1 -ub 2048
+    python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
+    python3 scripts/shared_prefix_bench.py --model "$model" --depth 32768 --n 1,2,4,8 --fracs 1,0.5 --ngl 99 \
+        > "$out/shared_prefix.md" 2>> "$out/bench.err"
+    tar czf "$out/bench_json.tgz" -C "$out" json && rm -rf "$out/json"
+    ;;
+esac

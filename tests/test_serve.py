@@ -1,0 +1,224 @@
+"""``serve``: the patched llama-server under the split, driven by the official
+``openai`` client (issue 14).
+
+The real server runs twice on this machine's loopback, at frac 1.0 and 0.5
+with ``LLAMA_HEADINFER_FORCE_SPLIT=1`` (so the CPU build splits), on a
+synthetic model with four KV heads; every answer -- text, token ids, logprobs,
+saved slot files -- must be identical between the two. Requests are few and
+short; each server is stopped by the test that started it.
+
+llama-server comes from ``build --tools`` in the checkout's ``build/cpu``
+(the fixture builds the tools when they are missing: ~7 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from pyllama_headinfer import paths
+from pyllama_headinfer.build import build as B
+from pyllama_headinfer.cli import serve as serve_cli
+from pyllama_headinfer.errors import ServeError
+from pyllama_headinfer.runtime.manifest import find_manifest, read_manifest
+from testing_models import CORPUS
+
+FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
+REAL_CACHE = paths.cache_dir()
+N_CTX = 512  # two slots of 256 cells
+PROMPT = CORPUS[:160]
+
+
+@pytest.fixture(scope="module")
+def server_binary(built) -> Path:
+    """llama-server of the build the bindings use (the checkout's build/cpu in CI), built with
+    --tools when it has none."""
+    manifest = find_manifest()
+    bdir = manifest.build_dir
+    path = (manifest.data.get("executables") or {}).get(serve_cli.SERVER)
+    if not path or not Path(path).is_file():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(paths.CACHE_ENV, str(REAL_CACHE))
+            B.build(build_dir=bdir, cuda=False, tools=True)
+        path = read_manifest(bdir).data["executables"][serve_cli.SERVER]
+    return Path(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One llama-server started through serve_cli (the code `serve` runs)."""
+
+    def __init__(self, binary, model, frac, tmp_path, extra=()):
+        self.slots = tmp_path / f"slots-{frac}"
+        self.slots.mkdir(exist_ok=True)
+        self.command = serve_cli.server_command(
+            model, frac=frac, vram_budget=None, margin="0", host="127.0.0.1", port=free_port(),
+            extra=["-c", str(N_CTX), "-np", "2", "-t", "2", "--slot-save-path", str(self.slots), "--context-shift",
+                   "--no-warmup", *extra], server=binary)
+        env = dict(os.environ, **{FORCE_SPLIT: "1"})
+        self.proc, self.pump = serve_cli.start_server(self.command, echo=None, timeout=120, env=env)
+        self.client = openai.OpenAI(base_url=self.command.url + "/v1", api_key="none", timeout=120, max_retries=0)
+
+    def post(self, path, body):
+        request = urllib.request.Request(self.command.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())
+
+    def stop(self):
+        return serve_cli.stop_server(self.proc)
+
+
+def scenario(server: Server) -> dict:
+    """Everything a client sees, in a comparable form."""
+    c, out = server.client, {}
+    common = dict(model="test", temperature=0, seed=1)
+    r = c.completions.create(prompt=PROMPT, max_tokens=24, logprobs=2, **common)
+    # llama-server gives the logprobs of /v1/completions in the chat form: token ids, logprobs, top-2
+    out["completion"] = (r.choices[0].text, [(d["id"], d["logprob"], [(t["id"], t["logprob"])
+                                                                       for t in d["top_logprobs"]])
+                                             for d in r.choices[0].logprobs.content], r.usage.completion_tokens)
+    out["completion_stream"] = "".join(ch.choices[0].text for ch in
+                                       c.completions.create(prompt=PROMPT, max_tokens=24, stream=True, **common))
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": CORPUS[:80]}]
+    r = c.chat.completions.create(messages=messages, max_tokens=20, logprobs=True, top_logprobs=2, **common)
+    out["chat"] = r.choices[0].message.content
+    out["chat_logprobs"] = [(t.token, t.logprob, [(u.token, u.logprob) for u in t.top_logprobs])
+                            for t in r.choices[0].logprobs.content]
+    out["chat_stream"] = "".join(ch.choices[0].delta.content or "" for ch in
+                                 c.chat.completions.create(messages=messages, max_tokens=20, stream=True, **common))
+    # token ids: llama-server's own endpoint
+    native = server.post("/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0, "return_tokens": True,
+                                         "cache_prompt": True})
+    out["native"] = (native["content"], native["tokens"])
+    # a prompt that extends the cached one: the server reuses the prefix's cells
+    longer = server.post("/completion", {"prompt": PROMPT + CORPUS[160:200], "n_predict": 16, "temperature": 0,
+                                         "return_tokens": True, "cache_prompt": True, "id_slot": native["id_slot"]})
+    out["cached_prefix"] = (longer["content"], longer["tokens"], longer["timings"]["cache_n"] > 0)
+    # two slots at once
+    results = [None, None]
+
+    def ask(i):
+        results[i] = c.completions.create(prompt=CORPUS[40 * i:40 * i + 120], max_tokens=20, **common).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out["parallel"] = results
+    # slot save / restore
+    server.post("/completion", {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "id_slot": 0,
+                                "cache_prompt": True})
+    saved = server.post("/slots/0?action=save", {"filename": "slot0.bin"})
+    out["slot_file"] = (server.slots / "slot0.bin").read_bytes()
+    server.post("/slots/0?action=erase", {})
+    restored = server.post("/slots/0?action=restore", {"filename": "slot0.bin"})
+    after = server.post("/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0, "id_slot": 0,
+                                        "cache_prompt": True, "return_tokens": True})
+    out["restored"] = (saved["n_saved"], restored["n_restored"], after["content"], after["tokens"],
+                       after["timings"]["cache_n"] > 0)
+    # a generation longer than the slot's context: the context shift
+    long = server.post("/completion", {"prompt": CORPUS[:100], "n_predict": 400, "temperature": 0,
+                                       "return_tokens": True, "id_slot": 1, "ignore_eos": True})
+    out["context_shift"] = (long["content"], long["tokens"], long["tokens_predicted"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def answers(server_binary, gguf_models, tmp_path_factory):
+    model = gguf_models["llama-gqa"]
+    got, logs = {}, {}
+    for frac in (1.0, 0.5):
+        server = Server(server_binary, model, frac, tmp_path_factory.mktemp("serve"))
+        try:
+            got[frac] = scenario(server)
+            logs[frac] = list(server.pump.headinfer)
+        finally:
+            assert server.stop() == 0
+    return got, logs
+
+
+def test_every_answer_is_identical_between_fractions(answers):
+    got, _ = answers
+    assert got[1.0].keys() == got[0.5].keys()
+    for key in got[1.0]:
+        assert got[1.0][key] == got[0.5][key], key
+
+
+def test_the_scenario_exercised_what_it_claims(answers):
+    got, logs = answers
+    a = got[0.5]
+    assert a["completion"][0] and 0 < len(a["completion"][1]) <= a["completion"][2]
+    assert a["completion"][0] == a["completion_stream"] and a["chat"] == a["chat_stream"]
+    assert len(a["native"][1]) == 16
+    assert a["cached_prefix"][2], "the longer prompt did not reuse the cached prefix"
+    assert all(a["parallel"]) and a["parallel"][0] != a["parallel"][1]
+    assert a["restored"][0] > 0 and a["restored"][0] == a["restored"][1] and a["restored"][4]
+    assert a["context_shift"][2] == 400  # more than the slot's 256 cells
+    assert any("split" in line for line in logs[0.5]), logs[0.5]  # the server says the split is on
+    assert not any("split" in line and "0.5" in line for line in logs[1.0])
+
+
+def test_serve_refuses_a_port_in_use(server_binary, gguf_models):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        command = serve_cli.server_command(gguf_models["llama-gqa"], frac=0.5, vram_budget=None, margin="0",
+                                           host="127.0.0.1", port=port, extra=[], server=server_binary)
+        with pytest.raises(ServeError, match=f"port {port} on 127.0.0.1 is in use"):
+            serve_cli.start_server(command, echo=None, timeout=30)
+
+
+def test_serve_reports_a_server_that_dies_while_starting(server_binary, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    command = serve_cli.server_command(bad, frac=1.0, vram_budget=None, margin="0", host="127.0.0.1",
+                                       port=free_port(), extra=[], server=server_binary)
+    with pytest.raises(ServeError, match="exited with status .* while starting"):
+        serve_cli.start_server(command, echo=None, timeout=60)
+
+
+def test_serve_usage_errors(gguf_models, tmp_path, capsys):
+    from pyllama_headinfer.cli import main as cli
+
+    model = str(gguf_models["llama-gqa"])
+    assert cli.main(["serve", "--model", str(tmp_path / "missing.gguf")]) == 2
+    assert "model not found" in capsys.readouterr().err
+    assert cli.main(["serve", "--model", model, "--frac", "1.5"]) == 2
+    assert "must be in [0, 1]" in capsys.readouterr().err
+    assert cli.main(["serve", "--model", model, "--", "-hgf", "0.5"]) == 2
+    assert "as serve's own options" in capsys.readouterr().err
+    assert cli.main(["serve", "--model", model, "--frac", "0.5", "--vram-budget", "1GiB"]) == 2  # argparse
+
+
+def test_draft_model_keeps_its_kv_whole(server_binary, gguf_models, tmp_path):
+    """Speculative decoding with a draft (issue 14.2): the target splits, the draft does not;
+    greedy answers equal those without a draft."""
+    model = gguf_models["llama-gqa"]
+    texts, lines = {}, {}
+    # -lv 4: llama.cpp's INFO lines, where each KV cache says how many of its layers it split
+    for name, extra in (("plain", ("-lv", "4")), ("draft", ("-lv", "4", "-md", str(model), "--spec-draft-n-max", "4"))):
+        (tmp_path / name).mkdir()
+        server = Server(server_binary, model, 0.5, tmp_path / name, extra=extra)
+        try:
+            texts[name] = server.post("/completion", {"prompt": PROMPT, "n_predict": 24, "temperature": 0,
+                                                      "return_tokens": True})["tokens"]
+            lines[name] = [line for line in server.pump.headinfer if "split" in line]
+        finally:
+            server.stop()
+    assert texts["draft"] == texts["plain"]
+    assert len(lines["draft"]) == len(lines["plain"]) >= 1, lines  # no second split line: the draft's context
