@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import socket
@@ -45,9 +46,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testing_models: the test-model writers
 
-import testing_models
-from pyllama_headinfer.api.residency import kv_residency_totals
-from pyllama_headinfer.llama import Context, Model, rpc_add_server
+import testing_models  # noqa: E402
+from pyllama_headinfer.api.residency import kv_residency_totals  # noqa: E402
+from pyllama_headinfer.llama import Context, Model, rpc_add_server  # noqa: E402
+from pyllama_headinfer.runtime.log import logger as llama_logger  # noqa: E402
 
 N_PROMPT = 40
 N_GEN = 64
@@ -111,6 +113,44 @@ def scenario_streams(ctx: Context, prompt: list) -> tuple[list, list]:
 SCENARIOS = ("greedy", "state", "shift", "streams")
 
 
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def capture_messages():
+    """The messages llama.cpp logs (through the pyllama_headinfer.llama logger) inside the block."""
+    handler, level = _Messages(), llama_logger.level
+    llama_logger.addHandler(handler)
+    llama_logger.setLevel(logging.DEBUG)
+    try:
+        yield handler.messages
+    finally:
+        llama_logger.removeHandler(handler)
+        llama_logger.setLevel(level)
+
+
+def pipeline_problems(report: dict, base: dict) -> list[str]:
+    """Issue 13.2: pipeline parallelism (several devices, -sm layer, full offload) keeps every uploaded host half;
+    llama.cpp must turn it off, saying so, whenever a layer is split."""
+    if not any("pipeline parallelism enabled" in m for m in base["log"]):
+        return []  # not enabled for these devices even without the split: nothing to turn off
+    split = any(x["n_head_resident"] < x["n_head_kv"] for x in report["layers"])
+    if not split:
+        return []
+    problems = []
+    if any("pipeline parallelism enabled" in m for m in report["log"]):
+        problems.append("pipeline parallelism enabled with split layers")
+    if not any("pipeline parallelism disabled" in m for m in report["log"]):
+        problems.append("no log line says pipeline parallelism was disabled")
+    return problems
+
+
 def run(model: Model, scenario: str, frac: float, kv_type: str, prompt: list) -> tuple[list, list, dict, list]:
     def make_ctx() -> Context:
         return Context(model, n_ctx=256, n_batch=256, n_ubatch=256, flash_attn=True,
@@ -118,8 +158,9 @@ def run(model: Model, scenario: str, frac: float, kv_type: str, prompt: list) ->
                        kv_unified=False, headinfer_gpu_heads_frac=frac)
 
     kv_bytes: list = []
-    with make_ctx() as ctx:
+    with capture_messages() as log, make_ctx() as ctx:
         report = ctx.kv_residency()
+        report["log"] = list(log)  # llama.cpp's log of the context creation
         if scenario == "greedy":
             tokens, logits = scenario_greedy(ctx, prompt, kv_bytes)
         elif scenario == "state":
@@ -261,7 +302,7 @@ def check_models(paths: dict, fracs: list, args, devices) -> int:
                         tokens, logits, report, kv = run(model, scenario, frac, kv_type, prompt)
                         same_logits = len(logits) == len(base_logits) and all(
                             np.array_equal(a, b) for a, b in zip(logits, base_logits))
-                        problems = residency_problems(report, base_report)
+                        problems = residency_problems(report, base_report) + pipeline_problems(report, base_report)
                         if tokens != base_tokens:
                             problems.append("tokens differ")
                         if len(logits) != len(base_logits):
@@ -277,6 +318,9 @@ def check_models(paths: dict, fracs: list, args, devices) -> int:
                                 problems.append(f"KV bytes differ {what}")
                         where = ", ".join(f"{k}: {(v['k'] + v['v']) / 2**20:.2f} MiB"
                                           for k, v in report["buffers"].items())
+                        if any("pipeline parallelism" in m for m in base_report["log"] + report["log"]):
+                            where += "; pipeline parallelism: " + ("on" if any(
+                                "pipeline parallelism enabled" in m for m in report["log"]) else "off")
                         status = "ok  " if not problems else "FAIL"
                         failures += bool(problems)
                         print(f"{status} {name:12s} {kv_type:5s} {scenario:8s} frac={frac:.2f} "

@@ -313,5 +313,5 @@ def residency_llama(llama):
     build of the series has: its absence fails, it does not skip)."""
     from pyllama_headinfer.runtime import bindings
 
-    assert bindings.has_kv_residency(), "libllama lacks llama_kv_residency_buffers: not built from the series"
+    assert bindings.has_kv_residency(), "libllama lacks llama_memory_get_kv_buffers: not built from the series"
     return llama

@@ -50,11 +50,11 @@ def test_type_checks_cover_every_declaration():
     ffi = cffi.FFI()
     ffi.cdef(extension.cdef_source())
     checks = extension.type_checks(ffi)
-    for name in ("llama_decode", "llama_tokenize", "llama_kv_residency_buffers", "llama_memory_seq_rm",
+    for name in ("llama_decode", "llama_tokenize", "llama_memory_get_kv_buffers", "llama_memory_seq_rm",
                  "llama_state_seq_load_file", "llama_sampler_sample"):
         assert f"__typeof__(&{name})" in checks
     for struct, field in (("llama_context_params", "headinfer_gpu_heads_frac"), ("llama_batch", "seq_id"),
-                          ("llama_kv_residency_layer", "n_head_resident")):
+                          ("llama_memory_kv_layer", "n_head_resident")):
         assert f"((struct {struct} *)0)->{field})" in checks
 
 

@@ -583,13 +583,13 @@ def test_manifest(cpu_build_dir):
 def test_libllama_exports_the_headinfer_api(cpu_build_dir):
     m = read_manifest(cpu_build_dir).data
     lib = ctypes.CDLL(m["libraries"]["llama"])
-    for symbol in ("llama_kv_residency_buffers", "llama_context_default_params"):
+    for symbol in ("llama_memory_get_kv_buffers", "llama_context_default_params"):
         assert hasattr(lib, symbol), symbol
     nm = shutil.which("nm")
     if nm:
         out = subprocess.run([nm, "-D", "--defined-only", m["libraries"]["llama"]], capture_output=True,
                              text=True, check=True).stdout
-        assert " T llama_kv_residency_buffers" in out
+        assert " T llama_memory_get_kv_buffers" in out
 
 
 PROBE_C = r"""

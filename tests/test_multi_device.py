@@ -41,7 +41,9 @@ def rpc_build(built) -> Path:
 
 def gpu_check(rpc_build: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYLLAMA_HEADINFER_BUILD_DIR=str(rpc_build), PYTHONPATH=str(ROOT))
-    env.pop("LLAMA_HEADINFER_FORCE_SPLIT", None)  # RPC devices are offload devices: the split needs no knob
+    # RPC devices have no pinned host buffer type, so llama.cpp does not split their layers (the host heads would
+    # cross the network at every step); the testing knob splits them anyway, to run the split on two devices
+    env["LLAMA_HEADINFER_FORCE_SPLIT"] = "1"
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--rpc", "2", "--no-8b-heads",
                            *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
 

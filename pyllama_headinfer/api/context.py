@@ -205,7 +205,7 @@ class Context(Decoding, Sequences, StateIO, Handle):
     @serialized
     def kv_residency(self) -> dict | None:
         """Where the KV cache's bytes live, as allocated by llama.cpp
-        (``llama_kv_residency_buffers`` / ``_layers``; nothing is recomputed here)::
+        (``llama_memory_get_kv_buffers`` / ``_layers``; nothing is recomputed here)::
 
             {"buffers": {"CPU": {"k": 98304, "v": 98304, "headinfer_host": False},
                          "CPU (headinfer host)": {"k": ..., "v": ..., "headinfer_host": True}},

@@ -15,13 +15,14 @@ def read_kv_residency(ptr, ffi, lib) -> dict | None:
     """The report of :meth:`Context.kv_residency` for the context ``ptr``
     (see there for its shape)."""
     if not lib.pyllama_has_kv_residency():
-        raise HeadInferError("this libllama has no llama_kv_residency_buffers (built without the "
+        raise HeadInferError("this libllama has no llama_memory_get_kv_buffers (built without the "
                              "HeadInfer patch series?); " + rebuild_hint())
-    n = int(lib.llama_kv_residency_buffers(ptr, ffi.NULL, 0))
+    mem = lib.llama_get_memory(ptr)
+    n = int(lib.llama_memory_get_kv_buffers(mem, ffi.NULL, 0))
     if n < 0:
         return None
-    bufs = ffi.new("struct llama_kv_residency_buffer[]", max(n, 1))
-    n = min(n, int(lib.llama_kv_residency_buffers(ptr, bufs, n)))
+    bufs = ffi.new("struct llama_memory_kv_buffer[]", max(n, 1))
+    n = min(n, int(lib.llama_memory_get_kv_buffers(mem, bufs, n)))
     buffers: dict[str, dict] = {}
     for b in bufs[0:n]:
         name = ffi.string(b.buft_name).decode("utf-8", "replace") if b.buft_name != ffi.NULL else "?"
@@ -30,11 +31,11 @@ def read_kv_residency(ptr, ffi, lib) -> dict | None:
         entry = buffers.setdefault(key, {"k": 0, "v": 0, "headinfer_host": host})
         entry["k"] += int(b.k_bytes)
         entry["v"] += int(b.v_bytes)
-    nl = int(lib.llama_kv_residency_layers(ptr, ffi.NULL, 0))
+    nl = int(lib.llama_memory_get_kv_layers(mem, ffi.NULL, 0))
     layers = []
     if nl > 0:
-        arr = ffi.new("struct llama_kv_residency_layer[]", nl)
-        nl = min(nl, int(lib.llama_kv_residency_layers(ptr, arr, nl)))
+        arr = ffi.new("struct llama_memory_kv_layer[]", nl)
+        nl = min(nl, int(lib.llama_memory_get_kv_layers(mem, arr, nl)))
         layers = [{"il": int(x.il), "n_head_kv": int(x.n_head_kv), "n_head_resident": int(x.n_head_resident),
                    "is_swa": bool(x.is_swa)} for x in arr[0:nl]]
         layers.sort(key=lambda x: (x["il"], x["is_swa"]))

@@ -46,7 +46,7 @@ DECL_FILES = ("llama_decl.h", "pyllama_shim.h")
 # The HeadInfer additions are referenced weakly so that an extension compiled
 # against the patched header still *loads* with a libllama that does not have
 # them yet (bindings then reports "no residency" instead of failing to import).
-WEAK_FUNCTIONS = ("llama_kv_residency_buffers", "llama_kv_residency_layers")
+WEAK_FUNCTIONS = ("llama_memory_get_kv_buffers", "llama_memory_get_kv_layers")
 
 SHIM_SOURCE = r"""
 #include <stddef.h>

@@ -155,5 +155,5 @@ def _generate(args: argparse.Namespace, model: Model, ctx: Context, sampler: Sam
             print(f"  {split_summary(report)}", file=err)
         print(format_kv_residency(report), file=err)
     else:
-        print("KV residency: not available (this libllama has no llama_kv_residency_buffers)", file=err)
+        print("KV residency: not available (this libllama has no llama_memory_get_kv_buffers)", file=err)
     return EXIT_OK

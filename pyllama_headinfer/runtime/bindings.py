@@ -182,6 +182,6 @@ def load():
 
 
 def has_kv_residency() -> bool:
-    """True when libllama exports ``llama_kv_residency_buffers``/``_layers``."""
+    """True when libllama exports ``llama_memory_get_kv_buffers``/``_layers``."""
     _, lib = load()
     return bool(lib.pyllama_has_kv_residency())

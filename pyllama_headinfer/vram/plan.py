@@ -34,7 +34,7 @@ they come from:
   every other layer stays whole;
 * bytes: ``ggml_row_size(type, heads * head_size) * cells * n_stream`` per K
   and per V tensor (``gguf.GGML_QUANT_SIZES``) -- what
-  ``llama_kv_residency_buffers`` reports, byte for byte.
+  ``llama_memory_get_kv_buffers`` reports, byte for byte.
 
 The device total adds the offloaded weights and a compute-buffer *estimate*
 (see :func:`compute_estimate` and docs/PLAN.md for its basis and limits).

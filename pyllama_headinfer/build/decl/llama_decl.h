@@ -178,7 +178,7 @@ typedef struct llama_sampler_chain_params {
 } llama_sampler_chain_params;
 
 /* HeadInfer KV residency (patch series) */
-struct llama_kv_residency_buffer {
+struct llama_memory_kv_buffer {
     const char * buft_name;
     bool         headinfer_host;
     uint64_t     k_bytes;
@@ -186,7 +186,7 @@ struct llama_kv_residency_buffer {
     ...;
 };
 
-struct llama_kv_residency_layer {
+struct llama_memory_kv_layer {
     int32_t il;
     int32_t n_head_kv;
     int32_t n_head_resident;
@@ -296,8 +296,8 @@ llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
 bool llama_memory_can_shift(llama_memory_t mem);
 
 /* HeadInfer KV residency (patch series; resolved weakly, see pyllama_has_kv_residency) */
-int32_t llama_kv_residency_buffers(const struct llama_context * ctx, struct llama_kv_residency_buffer * out, int32_t n_max);
-int32_t llama_kv_residency_layers(const struct llama_context * ctx, struct llama_kv_residency_layer * out, int32_t n_max);
+int32_t llama_memory_get_kv_buffers(llama_memory_t mem, struct llama_memory_kv_buffer * out, int32_t n_max);
+int32_t llama_memory_get_kv_layers(llama_memory_t mem, struct llama_memory_kv_layer * out, int32_t n_max);
 
 /* state */
 size_t llama_state_get_size(struct llama_context * ctx);
@@ -314,3 +314,12 @@ size_t llama_state_seq_save_file(struct llama_context * ctx, const char * filepa
                                  const llama_token * tokens, size_t n_token_count);
 size_t llama_state_seq_load_file(struct llama_context * ctx, const char * filepath, llama_seq_id dest_seq_id,
                                  llama_token * tokens_out, size_t n_token_capacity, size_t * n_token_count_out);
+/* sequence state with flags (the tests check LLAMA_STATE_SEQ_FLAGS_ON_DEVICE of split layers) */
+#define LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY ...
+#define LLAMA_STATE_SEQ_FLAGS_ON_DEVICE ...
+typedef uint32_t llama_state_seq_flags;
+size_t llama_state_seq_get_size_ext(struct llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags);
+size_t llama_state_seq_get_data_ext(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id,
+                                    llama_state_seq_flags flags);
+size_t llama_state_seq_set_data_ext(struct llama_context * ctx, const uint8_t * src, size_t size,
+                                    llama_seq_id dest_seq_id, llama_state_seq_flags flags);

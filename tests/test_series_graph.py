@@ -1,0 +1,63 @@
+"""The graph budget covers the split's extra nodes (issue 13.5).
+
+llama.cpp sizes its graphs by a node budget (``graph_max_nodes``); a split
+layer adds nodes (views, conversions, the host stores and the concatenation
+of the two halves).  The budget is raised by that per-layer cost for every
+split layer, so architectures with few tensors per layer cannot hit the
+node-count assert.  Checked on llama.cpp's own numbers: the reserved
+graph's node count (``graph: nodes = N``) and the budget (``max_nodes``).
+
+(The split's exactness under every scenario -- also what 13.6's explicit
+store-before-read edges must preserve -- is tests/test_kv_features.py.)
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+from testing_models import SPECS
+
+pytestmark = pytest.mark.usefixtures("residency_llama")
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def graph_numbers(llama, model, frac, monkeypatch):
+    monkeypatch.setenv("LLAMA_HEADINFER_FORCE_SPLIT", "1")
+    logger = llama.logger
+    handler, level = _Records(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        with llama.Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1, flash_attn=True,
+                           headinfer_gpu_heads_frac=frac) as ctx:
+            n_split = sum(x["n_head_resident"] < x["n_head_kv"] for x in ctx.kv_residency()["layers"])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    text = "\n".join(handler.messages)
+    max_nodes = int(re.search(r"max_nodes = (\d+)", text).group(1))
+    nodes = int(re.search(r"graph(?: \([^)]*\))?: nodes = (\d+)", text).group(1))
+    return n_split, max_nodes, nodes
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_budget_covers_the_split_nodes(llama, models, monkeypatch, name):
+    n0, max0, nodes0 = graph_numbers(llama, models[name], 1.0, monkeypatch)
+    n1, max1, nodes1 = graph_numbers(llama, models[name], 0.5, monkeypatch)
+    assert n0 == 0 and n1 == SPECS[name].n_layer
+    extra_nodes, extra_budget = nodes1 - nodes0, max1 - max0
+    assert extra_nodes > 0
+    assert extra_budget >= extra_nodes, (extra_nodes, extra_budget)
+    # the raise is the per-layer cost, not an arbitrary margin
+    assert extra_budget == 18 * n1 and extra_nodes % n1 == 0 and extra_nodes // n1 == 18, (extra_nodes, n1)
