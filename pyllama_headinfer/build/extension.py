@@ -193,7 +193,7 @@ def compile_extension(build_dir: Path, source_tree: Path, lib_dir: Path, *, stam
         except Exception as exc:  # distutils/setuptools CompileError, LinkError, ...
             raise BuildError(
                 f"compiling the cffi extension against {source_tree} failed: {exc}\n"
-                "A declaration in pyllama_headinfer/decl/ does not match llama.h, or no C compiler "
+                "A declaration in pyllama_headinfer/build/decl/ does not match llama.h, or no C compiler "
                 "is available (see the compiler output above)."
             ) from exc
         # Replace atomically so a running interpreter that has the old module
