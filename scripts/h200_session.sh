@@ -30,7 +30,7 @@ case $part in
 build)
     { time python3 -m pyllama_headinfer build --tools -j 16 -DLLAMA_BUILD_TESTS=ON; } > "$out/build.log" 2>&1
     echo "build exit $?" >> "$out/build.log"
-    { time ninja -C "$bdir" test-backend-ops; } >> "$out/build.log" 2>&1
+    { time ninja -C "$bdir" test-backend-ops test-arg-parser; } >> "$out/build.log" 2>&1
     echo "test-backend-ops build exit $?" >> "$out/build.log"
     ;;
 checks)
