@@ -170,6 +170,7 @@ struct llama_context_params {
 typedef struct llama_chat_message {
     const char * role;
     const char * content;
+    ...;
 } llama_chat_message;
 
 typedef struct llama_sampler_chain_params {
