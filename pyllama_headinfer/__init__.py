@@ -8,7 +8,7 @@ Importing the package is cheap: submodules load on demand.
 
 from __future__ import annotations
 
-from .errors import BuildError, HeadInferError, PatchError, SourceError
+from pyllama_headinfer.errors import BuildError, HeadInferError, PatchError, SourceError
 
 
 def _version() -> str:

@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from pyllama_headinfer.cli.main import main
 
 sys.exit(main())

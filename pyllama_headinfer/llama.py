@@ -18,38 +18,41 @@ first (missing or corrupt GGUF, token ids out of range, prompts longer than
 the context, bad ``headinfer_gpu_heads_frac``, unknown sequence ids, sampling
 without logits) and raised as an exception, so the interpreter survives.
 
-This module is the public facade: everything above is importable from here,
-while the code lives in :mod:`pyllama_headinfer.api`, one job per module:
+This module is the public facade for users: the names below are importable
+from here (and from their home modules, where the package itself and the
+tests import them):
 
-- ``api/exceptions.py``  the exception types raised below (and the helper that
-  quotes llama.cpp's log in their messages)
-- ``api/gguf_check.py``  :func:`check_gguf`, the GGUF pre-flight check
-- ``api/model.py``       :class:`Model` (loading, properties, tokenizer)
-- ``api/sampler.py``     :class:`Sampler` (llama.cpp sampler chains)
-- ``api/context.py``     :class:`Context` (decode, logits, generate, sequence
-  ops, state), :data:`KV_CACHE_TYPES`, :func:`check_headinfer_frac`
-- ``api/residency.py``   the HeadInfer KV residency report: reading it,
-  :func:`format_kv_residency`, :data:`HEADINFER_HOST_SUFFIX`
-- ``api/devices.py``     the devices (:func:`list_devices`) a model can be
-  spread over (``Model(devices=..., split_mode=..., tensor_split=...)``), and
-  RPC servers (:func:`rpc_add_server`, :func:`rpc_serve`)
+- :mod:`pyllama_headinfer.api.model`: :class:`Model`
+- :mod:`pyllama_headinfer.api.context`: :class:`Context` (its jobs in
+  ``api/decoding.py``, ``api/sequences.py``, ``api/state.py``)
+- :mod:`pyllama_headinfer.api.sampler`: :class:`Sampler`
+- :mod:`pyllama_headinfer.api.residency`: :func:`format_kv_residency`,
+  :data:`HEADINFER_HOST_SUFFIX`
+- :mod:`pyllama_headinfer.api.devices`: :func:`list_devices`,
+  :class:`DeviceInfo`, :func:`rpc_add_server`, :func:`rpc_serve`
+- :mod:`pyllama_headinfer.api.gguf_check`: :func:`check_gguf`
+- :mod:`pyllama_headinfer.params`: :class:`ContextParams`,
+  :data:`KV_CACHE_TYPES`, :func:`check_headinfer_frac`
+- :mod:`pyllama_headinfer.errors`: the exceptions
+- :mod:`pyllama_headinfer.runtime.log`: ``logger``, where llama.cpp's log goes
 """
 
 from __future__ import annotations
 
-from .api.context import KV_CACHE_TYPES, Context, check_headinfer_frac, logger
-from .api.devices import DeviceInfo, list_devices, rpc_add_server, rpc_serve
-from .api.exceptions import (ClosedError, ContextError, ContextOverflowError, DecodeError, HeadInferWarning,
-                             ModelError, StateError, TokenError)
-from .api.gguf_check import check_gguf
-from .api.model import Model
-from .api.residency import HEADINFER_HOST_SUFFIX, format_kv_residency
-from .api.sampler import Sampler
-from .errors import HeadInferError
+from pyllama_headinfer.api.context import Context
+from pyllama_headinfer.api.devices import DeviceInfo, list_devices, rpc_add_server, rpc_serve
+from pyllama_headinfer.api.gguf_check import check_gguf
+from pyllama_headinfer.api.model import Model
+from pyllama_headinfer.api.residency import HEADINFER_HOST_SUFFIX, format_kv_residency
+from pyllama_headinfer.api.sampler import Sampler
+from pyllama_headinfer.errors import (ClosedError, ContextError, ContextOverflowError, DecodeError, HeadInferError,
+                                      HeadInferWarning, ModelError, StateError, TokenError)
+from pyllama_headinfer.params import KV_CACHE_TYPES, ContextParams, check_headinfer_frac
+from pyllama_headinfer.runtime.log import logger
 
 __all__ = [
     # the objects
-    "Model", "Context", "Sampler",
+    "Model", "Context", "ContextParams", "Sampler",
     # helpers
     "check_gguf", "check_headinfer_frac", "format_kv_residency",
     "DeviceInfo", "list_devices", "rpc_add_server", "rpc_serve",
@@ -58,11 +61,3 @@ __all__ = [
     "HeadInferError", "ModelError", "ClosedError", "ContextError", "DecodeError", "TokenError",
     "ContextOverflowError", "StateError", "HeadInferWarning",
 ]
-
-# The classes keep this module's name, as before the split: in tracebacks
-# ("pyllama_headinfer.llama.ModelError: ..."), reprs of the types and pickles.
-for _name in __all__:
-    _obj = globals()[_name]
-    if isinstance(_obj, type) and _obj.__module__.startswith(__package__ + ".api."):
-        _obj.__module__ = __name__
-del _name, _obj

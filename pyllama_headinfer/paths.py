@@ -64,3 +64,11 @@ def patches_dir() -> Path:
     if root is not None:
         return root / "patches"
     return PACKAGE_DIR / "_patches"
+
+
+def build_root() -> Path:
+    """Where build directories live: ``<checkout>/build`` in a source
+    checkout, else ``<cache>/build``. The build tool creates them here and the
+    runtime looks for a finished one here."""
+    root = project_root()
+    return (root / "build") if root is not None else cache_dir() / "build"

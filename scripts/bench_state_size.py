@@ -24,8 +24,10 @@ from pathlib import Path
 
 os.environ["LLAMA_HEADINFER_FORCE_SPLIT"] = "1"
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testing_models: the test-model writers
+
 from pyllama_headinfer.llama import Context, Model  # noqa: E402
-from pyllama_headinfer.testing_models import SPECS, write_model  # noqa: E402
+from testing_models import SPECS, write_model  # noqa: E402
 
 SPEC = replace(SPECS["llama-gqa"], name="state-bench", n_layer=2, n_embd=512, n_head=8, n_head_kv=8, head_dim=64,
                n_ctx_train=8192, seed=4242)

@@ -28,8 +28,9 @@ CHILD = r"""
 import sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[1] + "/tests")
 from pyllama_headinfer.llama import Context, Model
-from pyllama_headinfer.testing_models import CORPUS
+from testing_models import CORPUS
 model_path, frac, kv, out = sys.argv[2], float(sys.argv[3]), sys.argv[4], sys.argv[5]
 with Model(model_path, n_gpu_layers=99) as model:
     prompt = model.tokenize(CORPUS)[:40]
@@ -49,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="fusion-"))
     model = args.model
     if model is None:
-        sys.path.insert(0, str(ROOT))
-        from pyllama_headinfer import testing_models
+        sys.path.insert(0, str(ROOT / "tests"))
+        import testing_models
 
         model = str(testing_models.write_test_models(tmp, ["llama-gqa"])["llama-gqa"])
     logits = {}

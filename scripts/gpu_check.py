@@ -44,11 +44,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testing_models: the test-model writers
 
-from pyllama_headinfer import testing_models  # noqa: E402
+import testing_models  # noqa: E402
 from pyllama_headinfer.api.residency import kv_residency_totals  # noqa: E402
 from pyllama_headinfer.llama import Context, Model, rpc_add_server  # noqa: E402
-from pyllama_headinfer.llama import logger as llama_logger  # noqa: E402
+from pyllama_headinfer.runtime.log import logger as llama_logger  # noqa: E402
 
 N_PROMPT = 40
 N_GEN = 64

@@ -22,15 +22,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyllama_headinfer import bindings  # noqa: E402
-from pyllama_headinfer.llama import Context, Model  # noqa: E402
+from pyllama_headinfer.runtime.log import capture_log
+from pyllama_headinfer.llama import Context, Model
 
 SPLITS_RE = re.compile(r"graph.*: nodes = (\d+)(?: / (\d+))?, splits = (\d+)(?: / (\d+))?")
 
 
 def graph_splits(model: Model, frac: float, n_ctx: int, kv_type: str) -> tuple[int, int, int, int]:
     """(nodes pp, nodes tg, splits pp, splits tg) of the context's reserved graphs; and the split layers."""
-    with bindings.capture_log() as log, Context(model, n_ctx=n_ctx, flash_attn=True, type_k=kv_type, type_v=kv_type,
+    with capture_log() as log, Context(model, n_ctx=n_ctx, flash_attn=True, type_k=kv_type, type_v=kv_type,
                                                 headinfer_gpu_heads_frac=frac) as ctx:
         report = ctx.kv_residency() or {"layers": []}
     n_split = sum(1 for x in report["layers"] if x["n_head_resident"] < x["n_head_kv"])

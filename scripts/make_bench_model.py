@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testing_models: the test-model writers
 
-from pyllama_headinfer.testing_models import finish_gguf  # noqa: E402
+from testing_models import finish_gguf
 
 
 def quantized_zeros(n_out: int, n_in: int, qtype) -> np.ndarray:

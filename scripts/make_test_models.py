@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write the small synthetic GGUF test models (see pyllama_headinfer.testing_models).
+"""Write the small synthetic GGUF test models (see tests/testing_models.py).
 
     python scripts/make_test_models.py --out DIR [--model NAME ...] [--check]
 
@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testing_models: the test-model writers
 
-from pyllama_headinfer import testing_models  # noqa: E402
+import testing_models
 
 
 def main(argv: list[str] | None = None) -> int:

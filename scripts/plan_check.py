@@ -31,9 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyllama_headinfer import bindings  # noqa: E402
-from pyllama_headinfer.llama import Context, Model  # noqa: E402
-from pyllama_headinfer.plan import plan_kv  # noqa: E402
+from pyllama_headinfer.params import ContextParams
+from pyllama_headinfer.runtime.log import capture_log
+from pyllama_headinfer.llama import Context, Model
+from pyllama_headinfer.vram.plan import plan_kv
 
 MIB = 1 << 20
 
@@ -54,11 +55,12 @@ def logged_mib(log, device: str, what: str) -> float:
 
 
 def check_one(model: Model, model_log, device: str, n_ctx: int, frac: float, kv: str, ngl: int) -> dict:
-    plan = plan_kv(model.path, n_ctx, n_gpu_layers=ngl, type_k=kv, type_v=kv, kv_unified=False, swa_full=True)
+    params = ContextParams(n_ctx=n_ctx, type_k=kv, type_v=kv, kv_unified=False, swa_full=True,
+                           headinfer_gpu_heads_frac=frac)
+    plan = plan_kv(model.gguf, params, n_gpu_layers=ngl)  # the one planned and the one created: the same params
     row = plan.row_for_frac(frac)
     before = gpu_used_mib()
-    with bindings.capture_log() as log, Context(model, n_ctx=n_ctx, type_k=kv, type_v=kv, kv_unified=False,
-                                                swa_full=True, headinfer_gpu_heads_frac=frac) as ctx:
+    with capture_log() as log, Context(model, params) as ctx:
         after = gpu_used_mib()
         report = ctx.kv_residency()
     device_kv_exact = sum(b["k"] + b["v"] for name, b in report["buffers"].items()
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'model':18} {'n_ctx':>7} {'kv':5} {'frac':>5} | {'KV MiB plan/got':>21} | {'compute plan/got':>19} | "
           f"{'total plan/got':>21} {'diff':>6} | {'KV bytes exact':>14} | {'smi Δ MiB':>9}")
     for path in args.model:
-        with bindings.capture_log() as model_log, Model(path, n_gpu_layers=args.ngl) as model:
+        with capture_log() as model_log, Model(path, n_gpu_layers=args.ngl) as model:
             model_log = list(model_log)
             for kv in args.types.split(","):
                 for n_ctx in (int(c) for c in args.ctx.split(",")):

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Predicted vs measured decode speed: the model behind `plan`'s ranking
-(pyllama_headinfer/plan_speed.py) against llama-bench rows.
+(pyllama_headinfer/vram/speed.py) against llama-bench rows.
 
     llama-bench -m b8.gguf -ngl 99 -fa 1 -ctk f16 -ctv f16 -hgf 1,0.5 -d 32768 -p 0 -n 32 -o json > f16.json
     python scripts/speed_model_check.py --model b8.gguf f16.json q8_0.json ... [--markdown]
@@ -22,8 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pyllama_headinfer.plan import plan_kv  # noqa: E402
-from pyllama_headinfer.plan_speed import exact, load_calibration, predict_step_s  # noqa: E402
+from pyllama_headinfer.params import ContextParams  # noqa: E402
+from pyllama_headinfer.vram.plan import plan_kv  # noqa: E402
+from pyllama_headinfer.vram.speed import exact, load_calibration, predict_step_s  # noqa: E402
 
 
 def rows_of(paths):
@@ -39,8 +40,9 @@ def predict(model: str, row: dict, constants) -> tuple[float, float]:
     depth, n_gen = int(row["n_depth"]), int(row["n_gen"])
     t = (row["type_k"], row["type_v"])
     frac = float(row.get("headinfer_gpu_heads_frac", 1.0))
-    p = plan_kv(model, depth + n_gen, n_gpu_layers=int(row.get("n_gpu_layers", 99)), type_k=t[0], type_v=t[1],
-                n_batch=int(row.get("n_batch", 2048)), n_ubatch=int(row.get("n_ubatch", 512)))
+    params = ContextParams(n_ctx=depth + n_gen, type_k=t[0], type_v=t[1], n_batch=int(row.get("n_batch", 2048)),
+                           n_ubatch=int(row.get("n_ubatch", 512)))
+    p = plan_kv(model, params, n_gpu_layers=int(row.get("n_gpu_layers", 99)))
     r = p.row_for_frac(frac)
     cells = max(1, p.geometry.n_ctx_seq * p.geometry.n_stream)
     scale = (depth + n_gen / 2) / cells  # the average filled context during the n_gen tokens

@@ -4,7 +4,7 @@
   (``$PYLLAMA_HEADINFER_CACHE``), so nothing it does reaches the real cache;
   the source, patch and CLI tests use it for every test.
 * ``pinned_source`` is the real pinned llama.cpp, obtained once per session
-  through :func:`source.ensure_source` with the *real* cache (so it is fetched
+  through :func:`fetch.ensure_source` with the *real* cache (so it is fetched
   once, normally from the PyPI sdist, and reused by later runs).
 * ``fake_pin`` swaps the pin for a tiny git repository with a two-patch
   series, for fast unit tests of the source and patch managers.
@@ -30,12 +30,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout that is not installed
     sys.path.insert(0, str(ROOT))
 
-from pyllama_headinfer import paths, pin, source  # noqa: E402
-from pyllama_headinfer.pin import PinnedFile  # noqa: E402
+from pyllama_headinfer import paths, pin
+from pyllama_headinfer.patches.apply import revert
+from pyllama_headinfer.patches.status import tree_acceptance
+from pyllama_headinfer.pin import PinnedFile
+from pyllama_headinfer.source import fetch
+from pyllama_headinfer.source.tree_verify import verify_tree
 
 # Captured before any test redirects the environment.
 REAL_CACHE = paths.cache_dir()
-REAL_LLAMA_SRC = os.environ.get(source.LLAMA_SRC_ENV)
+REAL_LLAMA_SRC = os.environ.get(fetch.LLAMA_SRC_ENV)
 # A local copy of the llama-cpp-python sdist saves the pip download in tests.
 TEST_SDIST_ENV = "PYLLAMA_HEADINFER_TEST_SDIST"
 
@@ -50,7 +54,7 @@ def isolated_cache(tmp_path, monkeypatch) -> Path:
     """
     cache = tmp_path / "cache"
     monkeypatch.setenv(paths.CACHE_ENV, str(cache))
-    for variable in (source.LLAMA_SRC_ENV, source.ARCHIVE_URL_ENV, paths.PATCHES_ENV):
+    for variable in (fetch.LLAMA_SRC_ENV, fetch.ARCHIVE_URL_ENV, paths.PATCHES_ENV):
         monkeypatch.delenv(variable, raising=False)
     return cache
 
@@ -65,14 +69,12 @@ def pinned_source(tmp_path_factory) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(paths.CACHE_ENV, str(REAL_CACHE))
         if REAL_LLAMA_SRC:
-            mp.setenv(source.LLAMA_SRC_ENV, REAL_LLAMA_SRC)
-        tree = source.ensure_source()
-        if not source.verify_tree(tree).ok:
+            mp.setenv(fetch.LLAMA_SRC_ENV, REAL_LLAMA_SRC)
+        tree = fetch.ensure_source(accept=tree_acceptance)
+        if not verify_tree(tree).ok:
             # acceptable but patched: the tests want the pristine pin
-            from pyllama_headinfer import patches
-
             tree = copy_tree(tree, tmp_path_factory.mktemp("pristine") / pin.SOURCE_DIRNAME)
-            patches.revert(tree)
+            revert(tree)
     return tree
 
 
@@ -90,7 +92,7 @@ def pinned_sdist() -> Path:
         return Path(explicit)
     downloads = REAL_CACHE / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
-    archive, _ = source._download_sdist(downloads)
+    archive, _ = fetch._download_sdist(downloads)
     return archive
 
 
@@ -256,14 +258,14 @@ def fake_pin(fake_pin_template, monkeypatch) -> FakePin:
 
 
 # --------------------------------------------------------------------------
-# synthetic GGUF test models (pyllama_headinfer.testing_models)
+# synthetic GGUF test models (tests/testing_models.py)
 
 
 @pytest.fixture(scope="session")
 def gguf_models(request, tmp_path_factory) -> Dict[str, Path]:
     """Name -> path of the small synthetic GGUF models (llama-gqa, qwen2,
     gemma3-iswa), generated once and cached across runs in .pytest_cache."""
-    from pyllama_headinfer import testing_models
+    import testing_models
 
     cache = getattr(request.config, "cache", None)
     directory = Path(cache.mkdir("pyllama-headinfer-test-models")) if cache is not None \
@@ -277,17 +279,15 @@ def gguf_models(request, tmp_path_factory) -> Dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def built():
-    """(ffi, lib) of the built bindings. Skips when nothing is built -- except
-    in CI, where the main command built it: there a missing or unloadable build
-    must fail the run, not quietly skip half of the suite."""
-    from pyllama_headinfer import bindings
+    """(ffi, lib) of the built bindings. A missing or unloadable build fails
+    the tests that need it (README: build first), never quietly skips them."""
+    from pyllama_headinfer.errors import NotBuiltError
+    from pyllama_headinfer.runtime import bindings
 
     try:
         return bindings.load()
-    except bindings.NotBuiltError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"no usable llama.cpp build in CI: {exc}")
-        pytest.skip(f"no llama.cpp build: {exc}")
+    except NotBuiltError as exc:
+        pytest.fail(f"no usable llama.cpp build (run `python -m pyllama_headinfer build` first): {exc}")
 
 
 @pytest.fixture(scope="session")
@@ -309,9 +309,9 @@ def models(llama, gguf_models):
 
 @pytest.fixture(scope="module")
 def residency_llama(llama):
-    """:func:`llama`, for tests that read the KV residency report."""
-    from pyllama_headinfer import bindings
+    """:func:`llama`, for tests that read the KV residency report (which every
+    build of the series has: its absence fails, it does not skip)."""
+    from pyllama_headinfer.runtime import bindings
 
-    if not bindings.has_kv_residency():
-        pytest.skip("libllama lacks llama_memory_get_kv_buffers: the HeadInfer C++ side is not built")
+    assert bindings.has_kv_residency(), "libllama lacks llama_memory_get_kv_buffers: not built from the series"
     return llama

@@ -9,8 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from pyllama_headinfer import bindings
-from pyllama_headinfer.testing_models import CORPUS
+from testing_models import CORPUS
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +103,7 @@ def test_check_gguf_accepts_test_models(llama, gguf_models):
 # context parameters
 
 
-@pytest.mark.parametrize("frac", [float("nan"), -0.01, 1.01, 2, -1, "0.5", None, True, float("inf")])
+@pytest.mark.parametrize("frac", [float("nan"), -0.01, 1.01, 2, -1, "0.5", True, float("inf")])
 def test_bad_headinfer_frac(llama, model, frac, caplog):
     caplog.set_level(logging.DEBUG, logger="pyllama_headinfer.llama")
     with pytest.raises(ValueError, match="headinfer_gpu_heads_frac") as info:
@@ -474,14 +473,23 @@ def test_context_managers(llama, gguf_models):
 
 
 def test_gc_frees_without_close(llama, gguf_models):
+    """Objects dropped without close() are collected (ffi.gc then frees their
+    llama.cpp handles) and the next model loads and decodes as before."""
     import gc
+    import weakref
 
     for _ in range(3):
         m = llama.Model(gguf_models["qwen2"])
         c = llama.Context(m, n_ctx=64, n_threads=1)
         c.decode(m.tokenize("hello"))
+        expected = c.logits()
+        refs = [weakref.ref(m), weakref.ref(c)]
         del m, c
         gc.collect()
+        assert [r() for r in refs] == [None, None]
+    with llama.Model(gguf_models["qwen2"]) as m, llama.Context(m, n_ctx=64, n_threads=1) as c:
+        c.decode(m.tokenize("hello"))
+        assert np.array_equal(c.logits(), expected)
 
 
 # --------------------------------------------------------------------------
@@ -489,8 +497,6 @@ def test_gc_frees_without_close(llama, gguf_models):
 
 
 def test_kv_residency_unsplit(llama, model, ctx):
-    if not bindings.has_kv_residency():
-        pytest.skip("libllama lacks llama_memory_get_kv_buffers (HeadInfer C++ not built yet)")
     report = ctx.kv_residency()
     assert set(report) == {"buffers", "layers"}
     assert report["buffers"], "no KV buffers reported"
@@ -505,3 +511,15 @@ def test_kv_residency_unsplit(llama, model, ctx):
         assert x["n_head_kv"] == 4 and x["n_head_resident"] == 4 and not x["is_swa"]
     assert "KV residency" in llama.format_kv_residency(report)
     assert not math.isnan(ctx.headinfer_gpu_heads_frac)
+
+
+def test_context_takes_one_params_record(llama, model):
+    params = llama.ContextParams(n_ctx=64, n_threads=1)
+    with llama.Context(model, params) as a, llama.Context(model, params, n_ctx=128) as b:
+        assert a.params is params and a.n_ctx >= 64 and a.headinfer_gpu_heads_frac == 1.0
+        assert b.params.n_ctx == 128 and b.params.n_threads == 1  # keywords replace fields of params
+    with pytest.raises(TypeError, match="ContextParams"):
+        llama.Context(model, 64)  # n_ctx is a keyword
+    with pytest.raises(ValueError, match="not both"):
+        llama.Context(model, params, headinfer_gpu_heads_frac=1.0, headinfer_vram_budget="1GiB")
+    alive(llama, model)

@@ -1,4 +1,4 @@
-"""The ``bench`` command and :mod:`pyllama_headinfer.bench` on the CPU.
+"""The ``bench`` command and :mod:`pyllama_headinfer.api.bench` on the CPU.
 
 The timings themselves are not asserted (benchmarks, not tests); what is: the
 sweep covers every point in order, the KV bytes come from llama.cpp's
@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from pyllama_headinfer import bench, bench_cli, cli
+from pyllama_headinfer.api import bench
+from pyllama_headinfer.cli import bench as bench_cli, main as cli
 
 FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 
@@ -92,7 +93,7 @@ def test_bench_cli_a_failing_point_is_reported_and_the_rest_measured(gguf_models
     (["--fracs", "1,abc"], "cannot read fractions"),
     (["--fracs", "1.5"], "headinfer_gpu_heads_frac"),
     (["--depths", "-4"], "cannot read depths"),
-    (["--vram-budget", "8GiB", "--fracs", "0.5"], "not both"),
+    (["--vram-budget", "8GiB", "--fracs", "0.5"], "not allowed with argument"),
     (["--vram-budget", "lots"], "cannot read 'lots' as a size"),
     (["-n", "0"], "must be >= 1"),
 ])
@@ -105,14 +106,14 @@ def test_bench_cli_bad_input_is_a_usage_error(argv, message, gguf_models, capsys
 def test_bench_cli_missing_model(tmp_path, capsys):
     rc = cli.main(["bench", "-m", str(tmp_path / "nope.gguf"), "--depths", "0"])
     err = capsys.readouterr().err
-    assert rc == 1 and "model file not found" in err and "Traceback" not in err
+    assert rc == 2 and "model file not found" in err and "Traceback" not in err
 
 
 def test_kv_types_sweep_prints_the_equal_vram_table_and_calibrates(built, gguf_models, force_split, capsys,
                                                                     isolated_cache, tmp_path):
     """bench --kv-types f16,q8_0 (issue 17.4): the points again, ordered by device KV with exactness;
     --calibrate stores speed constants that plan then uses instead of the H200 defaults."""
-    from pyllama_headinfer import plan_speed
+    from pyllama_headinfer.vram import speed as plan_speed
 
     rc = cli.main(["bench", "--model", str(gguf_models["llama-gqa"]), "--kv-types", "f16,q8_0", "--fracs", "1,0.5",
                    "--depths", "0,64", "-n", "4", "--no-plot", "--calibrate", "--threads", "2"])

@@ -12,22 +12,25 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_headinfer import _cffi_build, bindings
+from pyllama_headinfer import pin
+from pyllama_headinfer.build import extension
+from pyllama_headinfer.errors import StaleBuildError
+from pyllama_headinfer.runtime import bindings
+from pyllama_headinfer.runtime.manifest import find_manifest
+from pyllama_headinfer.series import build_stamp, series_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def build_info(built):
-    bdir, manifest = bindings.load_manifest()
-    source = Path(manifest.get("source_tree") or Path(manifest["include_dir"]).parent)
-    lib_dir = Path(manifest.get("lib_dir") or Path(manifest["libraries"]["llama"]).parent)
-    return source, lib_dir
+    manifest = find_manifest()
+    return manifest.source_tree, manifest.lib_dir
 
 
 def compile_with(cdef: str, tmp_path: Path, build_info) -> Path:
     source, lib_dir = build_info
-    return _cffi_build.compile_extension(tmp_path, source, lib_dir, cdef=cdef, stamp="test")
+    return extension.compile_extension(tmp_path, source, lib_dir, cdef=cdef, stamp="test")
 
 
 # --------------------------------------------------------------------------
@@ -38,15 +41,15 @@ def test_cdef_parses():
     import cffi
 
     ffi = cffi.FFI()
-    ffi.cdef(_cffi_build.cdef_source())
+    ffi.cdef(extension.cdef_source())
 
 
 def test_type_checks_cover_every_declaration():
     import cffi
 
     ffi = cffi.FFI()
-    ffi.cdef(_cffi_build.cdef_source())
-    checks = _cffi_build._type_checks(ffi)
+    ffi.cdef(extension.cdef_source())
+    checks = extension.type_checks(ffi)
     for name in ("llama_decode", "llama_tokenize", "llama_memory_get_kv_buffers", "llama_memory_seq_rm",
                  "llama_state_seq_load_file", "llama_sampler_sample"):
         assert f"__typeof__(&{name})" in checks
@@ -57,7 +60,7 @@ def test_type_checks_cover_every_declaration():
 
 def test_partial_structs():
     """Every struct we name is partial, so the compiler lays it out."""
-    text = (_cffi_build.DECL_DIR / "llama_decl.h").read_text()
+    text = (extension.DECL_DIR / "llama_decl.h").read_text()
     bodies = re.findall(r"struct\s+(\w+)\s*\{(.*?)\}", text, re.S)
     assert bodies
     for name, body in bodies:
@@ -87,7 +90,7 @@ def test_compiled_against_real_header(built):
 def test_misdeclaration_is_a_compile_error(tmp_path, build_info, wrong, old, message):
     from pyllama_headinfer.errors import BuildError
 
-    cdef = _cffi_build.cdef_source()
+    cdef = extension.cdef_source()
     assert old in cdef, old
     with pytest.raises(BuildError, match="does not match llama.h"):
         compile_with(cdef.replace(old, message, 1), tmp_path, build_info)
@@ -95,9 +98,9 @@ def test_misdeclaration_is_a_compile_error(tmp_path, build_info, wrong, old, mes
 
 def test_compile_extension_roundtrip(tmp_path, build_info):
     """compile_extension's contract: returns the module path inside build_dir."""
-    path = compile_with(_cffi_build.cdef_source(), tmp_path, build_info)
-    assert path.is_file() and path.parent == _cffi_build.extension_dir(tmp_path.resolve())
-    assert path.name.startswith(_cffi_build.MODULE_NAME)
+    path = compile_with(extension.cdef_source(), tmp_path, build_info)
+    assert path.is_file() and path.parent == extension.extension_dir(tmp_path.resolve())
+    assert path.name.startswith(bindings.MODULE_NAME)
 
 
 # --------------------------------------------------------------------------
@@ -106,16 +109,14 @@ def test_compile_extension_roundtrip(tmp_path, build_info):
 
 def test_stamp_matches_checkout(built):
     ffi, lib = built
-    assert bindings.check_stamp(ffi, lib) == _cffi_build.current_stamp()
-    from pyllama_headinfer import patches, pin
-
-    assert _cffi_build.current_stamp() == f"{pin.LLAMA_CPP_COMMIT}+{patches.series_hash()}"
+    assert bindings.check_stamp(ffi, lib) == build_stamp()
+    assert build_stamp() == f"{pin.LLAMA_CPP_COMMIT}+{series_hash()}"
 
 
 def test_stale_stamp_is_refused(built, monkeypatch):
     ffi, lib = built
-    monkeypatch.setattr(_cffi_build, "current_stamp", lambda: "0" * 40 + "+other-series")
-    with pytest.raises(bindings.StaleBuildError, match=r"stale build.*python -m pyllama_headinfer build"):
+    monkeypatch.setattr(bindings, "build_stamp", lambda: "0" * 40 + "+other-series")
+    with pytest.raises(StaleBuildError, match=r"stale build.*python -m pyllama_headinfer build"):
         bindings.check_stamp(ffi, lib)
 
 
@@ -126,9 +127,10 @@ def _run_python(code: str, **env) -> subprocess.CompletedProcess:
 
 def test_missing_build_is_a_clear_error(tmp_path):
     res = _run_python(
-        "from pyllama_headinfer import bindings\n"
+        "from pyllama_headinfer.runtime import bindings\n"
+        "from pyllama_headinfer.errors import NotBuiltError\n"
         "try:\n    bindings.load()\n"
-        "except bindings.NotBuiltError as e:\n    print('NOTBUILT', e)\n",
+        "except NotBuiltError as e:\n    print('NOTBUILT', e)\n",
         PYLLAMA_HEADINFER_BUILD_DIR=str(tmp_path / "nothing"))
     assert res.returncode == 0, res.stderr
     assert "NOTBUILT" in res.stdout and "python -m pyllama_headinfer build" in res.stdout
@@ -138,23 +140,24 @@ def test_stale_module_is_refused_at_load(built, tmp_path, build_info):
     """A build dir whose module carries another stamp: load() refuses it."""
     import json
 
-    bdir, manifest = bindings.load_manifest()
+    manifest = find_manifest().data
     stale = tmp_path / "stale"
     source, lib_dir = build_info
-    module = _cffi_build.compile_extension(stale, source, lib_dir, stamp="0" * 40 + "+old-series")
+    module = extension.compile_extension(stale, source, lib_dir, stamp="0" * 40 + "+old-series")
     manifest = dict(manifest, build_dir=str(stale), bindings=str(module))
     (stale / "manifest.json").write_text(json.dumps(manifest))
     res = _run_python(
-        "from pyllama_headinfer import bindings\n"
+        "from pyllama_headinfer.runtime import bindings\n"
+        "from pyllama_headinfer.errors import StaleBuildError\n"
         "try:\n    bindings.load()\n"
-        "except bindings.StaleBuildError as e:\n    print('STALE', e)\n",
+        "except StaleBuildError as e:\n    print('STALE', e)\n",
         PYLLAMA_HEADINFER_BUILD_DIR=str(stale))
     assert res.returncode == 0, res.stderr
     assert "STALE" in res.stdout and "python -m pyllama_headinfer build" in res.stdout
 
 
-def test_has_kv_residency_is_bool(built):
-    assert isinstance(bindings.has_kv_residency(), bool)
+def test_every_build_of_the_series_has_the_residency_api(built):
+    assert bindings.has_kv_residency() is True
 
 
 # --------------------------------------------------------------------------
@@ -184,7 +187,7 @@ def test_no_stderr_by_default(built, gguf_models):
         "c = Context(m, n_ctx=64, n_threads=1)\n"
         "c.decode(m.tokenize('hello'))\n"
         "print('done')\n",
-        PYLLAMA_HEADINFER_BUILD_DIR=str(bindings.load_manifest()[0]))
+        PYLLAMA_HEADINFER_BUILD_DIR=str(find_manifest().build_dir))
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "done"
     assert res.stderr == ""
@@ -193,7 +196,7 @@ def test_no_stderr_by_default(built, gguf_models):
 def test_log_errors_reach_exceptions(built, tmp_path):
     """An error llama.cpp logs while failing ends up in the exception message."""
     from pyllama_headinfer.llama import Model, ModelError
-    from pyllama_headinfer import testing_models as tm
+    import testing_models as tm
 
     # a valid GGUF with a missing tensor: passes the pre-flight check, llama.cpp rejects it
     import gguf

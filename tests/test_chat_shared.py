@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pyllama_headinfer.testing_models import CORPUS
+from testing_models import CORPUS
 
 FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
@@ -25,7 +25,7 @@ def test_chat_template_by_name(qwen):
 
 
 def test_chat_template_errors(llama, qwen):
-    from pyllama_headinfer.api.chat import ChatTemplateError
+    from pyllama_headinfer.errors import ChatTemplateError
 
     with pytest.raises(ChatTemplateError, match="has no chat template"):
         qwen.apply_chat_template(MESSAGES)

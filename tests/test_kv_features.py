@@ -36,8 +36,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyllama_headinfer import bindings
-from pyllama_headinfer.testing_models import CORPUS, EXTRA_SPECS, SPECS, ensure_extra_models
+from pyllama_headinfer.runtime.log import capture_log
+from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, find_manifest
+from testing_models import CORPUS, EXTRA_SPECS, SPECS, ensure_extra_models
 
 ROOT = Path(__file__).resolve().parents[1]
 FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
@@ -720,14 +721,15 @@ def test_quantized_kv_qwen2(llama, models, frac):
 
 _ROT_SCRIPT = textwrap.dedent("""
     import hashlib, json, os, sys
-    from pyllama_headinfer import llama, bindings
-    from pyllama_headinfer.testing_models import CORPUS
+    from pyllama_headinfer import llama
+    from pyllama_headinfer.runtime.log import capture_log
+    from testing_models import CORPUS
     path, type_k = sys.argv[1], sys.argv[2]
     out = {}
     with llama.Model(path) as model:
         prompt = model.tokenize(CORPUS)[:40]
         for frac in (1.0, 0.5, 0.25):
-            with bindings.capture_log() as log:
+            with capture_log() as log:
                 ctx = llama.Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1, flash_attn=True,
                                     type_k=type_k, type_v="q8_0", headinfer_gpu_heads_frac=frac)
             with ctx, llama.Sampler.greedy() as greedy:
@@ -753,8 +755,9 @@ def test_quantized_k_shift_without_rotation(llama, gguf_models, type_k):
     LLAMA_ATTN_ROT_DISABLE=1 dereferenced a NULL rotation matrix (segfault).
     Run in a subprocess so that a regression fails this test only; the split
     must be active and give identical results there too."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **{ROT_DISABLE: "1", FORCE_SPLIT: "1"})
-    env.setdefault(bindings.ENV_BUILD_DIR, str(bindings.load_manifest()[0]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+               **{ROT_DISABLE: "1", FORCE_SPLIT: "1"})
+    env.setdefault(BUILD_DIR_ENV, str(find_manifest().build_dir))
     res = subprocess.run([sys.executable, "-c", _ROT_SCRIPT, str(gguf_models["llama-gqa"]), type_k],
                          capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, f"rc={res.returncode} (negative: killed by a signal)\n{res.stderr[-3000:]}"
@@ -887,7 +890,7 @@ def _kv_log_lines(lines):
 
 def _generate_logged(llama, model, frac, n_gen=N_GEN):
     run = Run()
-    with bindings.capture_log() as log:
+    with capture_log() as log:
         ctx = make_ctx(llama, model, frac)
     with ctx, llama.Sampler.greedy() as greedy:
         run.reports.append(ctx.kv_residency())

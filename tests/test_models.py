@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyllama_headinfer import testing_models as tm
+import testing_models as tm
 
 ROOT = Path(__file__).resolve().parents[1]
 

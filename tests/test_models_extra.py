@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_headinfer import testing_models as tm
+import testing_models as tm
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,9 @@ device and the rest in host memory. ``scripts/gpu_check.py --rpc 2`` then
 checks every logits vector against frac 1.0 on the same two-device layout, and
 each device's KV bytes against its own unsplit share.
 
-This needs a build with -DGGML_RPC=ON, made once per session in
-``build/cpu-rpc`` (a second build beside the main one, ~2 min on 2 cores; the
+This needs a build with -DGGML_RPC=ON, made once per session in the cache
+(``<cache>/test-builds/cpu-rpc``, never in the checkout; a second build beside
+the main one, ~2 min on 2 cores the first time, incremental afterwards; the
 two cannot share a process, so the check runs in subprocesses). On two real
 GPUs the same script runs with ``--devices CUDA0,CUDA1`` (docs/GPU.md).
 """
@@ -22,17 +23,20 @@ from pathlib import Path
 
 import pytest
 
+from pyllama_headinfer import paths
+
 ROOT = Path(__file__).resolve().parents[1]
-RPC_BUILD = ROOT / "build" / "cpu-rpc"
 
 
 @pytest.fixture(scope="session")
 def rpc_build(built) -> Path:
-    """build/cpu-rpc: the patched llama.cpp with the RPC backend (built if missing or stale)."""
-    run = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "build", "--build-dir", str(RPC_BUILD),
+    """The patched llama.cpp with the RPC backend, in the cache (built if missing or stale)."""
+    directory = paths.cache_dir() / "test-builds" / "cpu-rpc"
+    run = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "build", "--build-dir", str(directory),
                           "-DGGML_RPC=ON"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, f"the RPC build failed:\n{run.stderr[-3000:]}"
-    return RPC_BUILD
+    assert paths.project_root() not in directory.parents  # the checkout stays clean
+    return directory
 
 
 def gpu_check(rpc_build: Path, *args: str) -> subprocess.CompletedProcess:
@@ -66,7 +70,7 @@ def test_row_split_over_rpc_is_refused_cleanly(rpc_build):
 
 
 def test_rpc_without_the_rpc_backend_is_an_error(llama):
-    from pyllama_headinfer import bindings
+    from pyllama_headinfer.runtime import bindings
 
     ffi, lib = bindings.load()
     if lib.ggml_backend_reg_by_name(b"RPC") != ffi.NULL:

@@ -43,8 +43,13 @@ import math
 import numpy as np
 import pytest
 
-from pyllama_headinfer import plan
-from pyllama_headinfer.testing_models import SPECS, ensure_extra_models
+from pyllama_headinfer.errors import BudgetTooSmallError, NothingFitsError
+from pyllama_headinfer.params import KV_CACHE_TYPES, ContextParams, parse_size
+from pyllama_headinfer.vram import plan as vram_plan
+from pyllama_headinfer.vram.memory import KVLayer, gpu_layer_start, n_resident, weights
+from pyllama_headinfer.vram.model import gguf_index, read_model_info
+from pyllama_headinfer.vram.plan import force_split_from_env, frac_for_g
+from testing_models import SPECS, ensure_extra_models
 
 FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 
@@ -62,8 +67,18 @@ def all_models(gguf_models, extra_models):
     return {**gguf_models, "llama-mqa": extra_models["llama-mqa"]}
 
 
+def plan_kv(model, n_ctx, vram_budget=None, *, n_gpu_layers=-1, force_split=False, margin=0, **context):
+    """This file's shorthand: vram.plan.plan_kv with the context's parameters as keywords."""
+    params = ContextParams(n_ctx=n_ctx, headinfer_vram_budget=vram_budget, **context)
+    return vram_plan.plan_kv(model, params, n_gpu_layers=n_gpu_layers, force_split=force_split, margin=margin)
+
+
+def frac_for_budget(model, n_ctx, vram_budget, **context):
+    return vram_plan.frac_for_budget(model, ContextParams(n_ctx=n_ctx, headinfer_vram_budget=vram_budget, **context))
+
+
 def main(*args) -> int:
-    from pyllama_headinfer import cli
+    from pyllama_headinfer.cli import main as cli
 
     return cli.main(["plan", *map(str, args)])
 
@@ -77,53 +92,53 @@ def main(*args) -> int:
     (4096, 4096), ("2tib", 2 * 2**40), ("0.5G", 2**29),
 ])
 def test_parse_size(text, expected):
-    assert plan.parse_size(text) == expected
+    assert parse_size(text) == expected
 
 
 @pytest.mark.parametrize("bad", ["", "GiB", "-1GiB", "24 parsecs", "1e9", "0", 0, -5, True, None, float("nan")])
 def test_parse_size_rejects(bad):
     with pytest.raises(ValueError):
-        plan.parse_size(bad)
+        parse_size(bad)
 
 
 def test_frac_for_g_round_trips_through_a_c_float():
     """f = g/n, stored in a C float and rounded with lround, gives g back (the C++ rule)."""
     for n in range(2, 129):
         for g in range(1, n):
-            f = plan.frac_for_g(g, n)
-            layer = plan.KVLayer(il=0, is_swa=False, n_head_kv=n, head_k=64, head_v=64, row_v=64 * n, cells=256,
+            f = frac_for_g(g, n)
+            layer = KVLayer(il=0, is_swa=False, n_head_kv=n, head_k=64, head_v=64, row_v=64 * n, cells=256,
                                  n_stream=1, on_device=True, why_whole=None)
-            assert plan.n_resident(layer, f) == g, (g, n, f)
-        assert plan.frac_for_g(n, n) == 1.0
+            assert n_resident(layer, f) == g, (g, n, f)
+        assert frac_for_g(n, n) == 1.0
 
 
 def test_lround_is_half_away_from_zero():
-    layer = plan.KVLayer(il=0, is_swa=False, n_head_kv=4, head_k=64, head_v=64, row_v=256, cells=256, n_stream=1,
+    layer = KVLayer(il=0, is_swa=False, n_head_kv=4, head_k=64, head_v=64, row_v=256, cells=256, n_stream=1,
                          on_device=True, why_whole=None)
-    assert plan.n_resident(layer, 0.125) == 1  # 0.5 -> 1 (Python's round() would give 0, clamped to 1 anyway)
-    assert plan.n_resident(layer, 0.375) == 2  # 1.5 -> 2
-    assert plan.n_resident(layer, 0.625) == 3  # 2.5 -> 3 (round() would give 2)
-    assert plan.n_resident(layer, 0.0) == 1 and plan.n_resident(layer, 0.99) == 3 and plan.n_resident(layer, 1.0) == 4
+    assert n_resident(layer, 0.125) == 1  # 0.5 -> 1 (Python's round() would give 0, clamped to 1 anyway)
+    assert n_resident(layer, 0.375) == 2  # 1.5 -> 2
+    assert n_resident(layer, 0.625) == 3  # 2.5 -> 3 (round() would give 2)
+    assert n_resident(layer, 0.0) == 1 and n_resident(layer, 0.99) == 3 and n_resident(layer, 1.0) == 4
 
 
 def test_read_model_info(all_models):
     for name in ("llama-gqa", "qwen2", "gemma3-iswa"):
-        spec, info = SPECS[name], plan.read_model_info(all_models[name])
+        spec, info = SPECS[name], read_model_info(all_models[name])
         assert (info.arch, info.n_layer, info.n_embd, info.n_vocab) == (spec.arch, spec.n_layer, spec.n_embd,
                                                                        spec.n_vocab)
         assert info.n_head_kv == (spec.n_head_kv,) * spec.n_layer
         assert (info.head_k, info.head_v) == (spec.head_dim, spec.head_dim)
         assert info.n_swa == spec.sliding_window
     # gemma3, pattern 2, dense_first = false: il % 2 < 1 is SWA
-    assert plan.read_model_info(all_models["gemma3-iswa"]).is_swa == (True, False, True, False)
-    assert not plan.read_model_info(all_models["llama-gqa"]).iswa
+    assert read_model_info(all_models["gemma3-iswa"]).is_swa == (True, False, True, False)
+    assert not read_model_info(all_models["llama-gqa"]).iswa
 
 
 def test_gpu_layer_placement(all_models):
     """src/llama-model.cpp: i_gpu_start = max(n_layer + 1 - ngl, 0); the output layer counts as one."""
-    info = plan.read_model_info(all_models["llama-gqa"])  # 3 layers
-    assert [plan.gpu_layer_start(info, ngl) for ngl in (-1, 99, 4, 3, 2, 1, 0)] == [0, 0, 0, 1, 2, 3, 4]
-    w = {ngl: plan.weights(info, ngl) for ngl in (-1, 3, 1, 0)}
+    info = read_model_info(all_models["llama-gqa"])  # 3 layers
+    assert [gpu_layer_start(info, ngl) for ngl in (-1, 99, 4, 3, 2, 1, 0)] == [0, 0, 0, 1, 2, 3, 4]
+    w = {ngl: weights(info, ngl) for ngl in (-1, 3, 1, 0)}
     assert (w[-1].n_layer_gpu, w[-1].output_on_gpu) == (3, True)
     assert (w[3].n_layer_gpu, w[3].output_on_gpu) == (2, True)  # ngl = n_layer leaves layer 0 on the CPU
     assert (w[1].n_layer_gpu, w[1].output_on_gpu) == (0, True)
@@ -133,26 +148,26 @@ def test_gpu_layer_placement(all_models):
         assert x.device + x.host == total  # every tensor once (the model has its own output.weight)
     emb = next(t.n_bytes for t in info.tensors if t.name == "token_embd.weight")
     assert w[-1].host == emb  # token_embd stays on the CPU
-    p = plan.plan_kv(info, 1024, n_gpu_layers=3)
+    p = plan_kv(info, 1024, n_gpu_layers=3)
     assert [x.on_device for x in p.layers] == [False, True, True]
     assert p.layers[0].why_whole.startswith("the layer's KV is in host memory already")
 
 
 def test_tied_output_is_duplicated_onto_the_output_device(all_models):
-    info = plan.read_model_info(all_models["llama-gqa"])
+    info = read_model_info(all_models["llama-gqa"])
     tied = dataclasses.replace(info, tensors=tuple(t for t in info.tensors if t.name != "output.weight"))
     emb = next(t.n_bytes for t in info.tensors if t.name == "token_embd.weight")
-    on, off = plan.weights(tied, -1), plan.weights(tied, 0)
-    assert on.host == emb and on.device == plan.weights(info, -1).device - next(
+    on, off = weights(tied, -1), weights(tied, 0)
+    assert on.host == emb and on.device == weights(info, -1).device - next(
         t.n_bytes for t in info.tensors if t.name == "output.weight") + emb
     assert off.host == sum(t.n_bytes for t in tied.tensors) + emb  # llama.cpp loads it twice
 
 
 def test_per_layer_head_counts(all_models):
     """KV heads given per layer: each layer keeps clamp(lround(f * n), 1, n - 1)."""
-    info = plan.read_model_info(all_models["llama-gqa"])
+    info = read_model_info(all_models["llama-gqa"])
     info = dataclasses.replace(info, n_head_kv=(4, 2, 8), n_head=(8, 8, 8))
-    p = plan.plan_kv(info, 512)
+    p = plan_kv(info, 512)
     assert p.n_head_kv == 8
     for row in p.rows:
         expect = [n if row.frac >= 1 else max(1, min(math.floor(float(np.float32(row.frac)) * n + 0.5), n - 1))
@@ -162,20 +177,20 @@ def test_per_layer_head_counts(all_models):
 
 
 def test_choice_is_the_largest_g_that_fits(all_models):
-    info = plan.read_model_info(all_models["qwen2"])
-    base = plan.plan_kv(info, 8192, type_k="q8_0", type_v="q8_0")
+    info = read_model_info(all_models["qwen2"])
+    base = plan_kv(info, 8192, type_k="q8_0", type_v="q8_0")
     for budget in sorted({r.device_total for r in base.rows}):
-        p = plan.plan_kv(info, 8192, budget, type_k="q8_0", type_v="q8_0")
+        p = plan_kv(info, 8192, budget, type_k="q8_0", type_v="q8_0")
         assert p.chosen.g == max(r.g for r in p.rows if r.device_total <= budget)
-        assert p.frac == plan.frac_for_g(p.chosen.g, 4)
-        assert plan.frac_for_budget(info, 8192, budget, type_k="q8_0", type_v="q8_0") == p.frac
-        with_margin = plan.plan_kv(info, 8192, budget + 1000, type_k="q8_0", type_v="q8_0", margin=1000)
+        assert p.frac == frac_for_g(p.chosen.g, 4)
+        assert frac_for_budget(info, 8192, budget, type_k="q8_0", type_v="q8_0") == p.frac
+        with_margin = plan_kv(info, 8192, budget + 1000, type_k="q8_0", type_v="q8_0", margin=1000)
         assert with_margin.chosen == p.chosen
 
 
 def test_rows_scale_with_g(all_models):
     """Device KV grows by one head's bytes per layer for every g; device + host KV is constant."""
-    p = plan.plan_kv(all_models["gemma3-iswa"], 2048, swa_full=False)
+    p = plan_kv(all_models["gemma3-iswa"], 2048, swa_full=False)
     totals = {r.device_kv + r.host_kv for r in p.rows}
     assert len(totals) == 1
     steps = {b.device_kv - a.device_kv for a, b in zip(p.rows, p.rows[1:])}
@@ -184,29 +199,29 @@ def test_rows_scale_with_g(all_models):
 
 
 def test_budget_smaller_than_weights(all_models):
-    with pytest.raises(plan.BudgetTooSmallError, match="smaller than the weights"):
-        plan.frac_for_budget(all_models["llama-gqa"], 4096, "1MiB")
-    p = plan.plan_kv(all_models["llama-gqa"], 4096, "1MiB")
+    with pytest.raises(BudgetTooSmallError, match="smaller than the weights"):
+        frac_for_budget(all_models["llama-gqa"], 4096, "1MiB")
+    p = plan_kv(all_models["llama-gqa"], 4096, "1MiB")
     assert p.chosen is None
-    with pytest.raises(plan.BudgetTooSmallError):
+    with pytest.raises(BudgetTooSmallError):
         p.frac
 
 
 def test_nothing_fits_says_what_would(all_models):
-    info = plan.read_model_info(all_models["qwen2"])
-    full = plan.plan_kv(info, 32768, n_gpu_layers=-1)
+    info = read_model_info(all_models["qwen2"])
+    full = plan_kv(info, 32768, n_gpu_layers=-1)
     budget = min(r.device_total for r in full.rows) - 1  # more than the weights, less than any row
     assert budget > full.weights.device_alloc
-    p = plan.plan_kv(info, 32768, budget)
+    p = plan_kv(info, 32768, budget)
     assert p.chosen is None and p.suggestions
-    with pytest.raises(plan.NothingFitsError, match="What would fit") as exc:
-        plan.frac_for_budget(info, 32768, budget)
+    with pytest.raises(NothingFitsError, match="What would fit") as exc:
+        frac_for_budget(info, 32768, budget)
     assert "fewer GPU layers" in str(exc.value) and "a shorter context" in str(exc.value)
     assert "a quantized KV cache" in str(exc.value)
     # each suggestion is a real fit: check the shorter context one
     n_ctx = int(next(s for s in p.suggestions if s.startswith("a shorter context")).split("n_ctx ")[1].split(" ")[0])
-    assert plan.plan_kv(info, n_ctx, budget).chosen is not None
-    assert plan.plan_kv(info, n_ctx + 256, budget).chosen is None
+    assert plan_kv(info, n_ctx, budget).chosen is not None
+    assert plan_kv(info, n_ctx + 256, budget).chosen is None
 
 
 @pytest.mark.parametrize("make, error", [
@@ -221,13 +236,13 @@ def test_bad_model_files(tmp_path, gguf_models, extra_models, make, error):
     path = make(tmp_path, {**gguf_models, **extra_models})
     if isinstance(error, str):
         with pytest.raises(Exception, match=error) as exc:
-            plan.plan_kv(path, 512)
+            plan_kv(path, 512)
         from pyllama_headinfer.errors import HeadInferError
 
         assert isinstance(exc.value, HeadInferError)
     else:
         with pytest.raises(error):
-            plan.plan_kv(path, 512)
+            plan_kv(path, 512)
 
 
 def _truncated(src, dst):
@@ -242,19 +257,25 @@ def test_bad_settings(all_models, kw):
     args = dict(n_ctx=512)
     args.update(kw)
     with pytest.raises(ValueError):
-        plan.plan_kv(all_models["llama-gqa"], **args)
+        plan_kv(all_models["llama-gqa"], **args)
 
 
-def test_kv_types_match_the_api():
-    from pyllama_headinfer.api.context import KV_CACHE_TYPES
+def test_one_kv_type_table():
+    """The planner and the API read the KV types from one table (params.KV_CACHE_TYPES): each is a
+    ggml type gguf knows, so the planner can size it."""
+    from gguf import GGMLQuantizationType
 
-    assert set(plan.KV_TYPES) == set(KV_CACHE_TYPES)
+    from pyllama_headinfer.vram.memory import ggml_type
+
+    assert [ggml_type(t) for t in KV_CACHE_TYPES] == [GGMLQuantizationType[t.upper()] for t in KV_CACHE_TYPES]
+    with pytest.raises(ValueError):
+        ggml_type("q3_k")
 
 
 def test_force_split_env(monkeypatch):
     for value, expected in (("1", True), ("0", False), ("", False), ("2x", True), ("no", False)):
-        assert plan.force_split_from_env({FORCE_SPLIT: value}) is expected
-    assert plan.force_split_from_env({}) is False
+        assert force_split_from_env({FORCE_SPLIT: value}) is expected
+    assert force_split_from_env({}) is False
 
 
 # --------------------------------------------------------------------------
@@ -262,10 +283,10 @@ def test_force_split_env(monkeypatch):
 
 
 def test_cli_table_and_choice(gguf_models, capsys):
-    info = plan.read_model_info(gguf_models["gemma3-iswa"])
-    p = plan.plan_kv(info, 4096, swa_full=False)
+    info = read_model_info(gguf_models["gemma3-iswa"])
+    p = plan_kv(info, 4096, swa_full=False)
     budget = p.row(1).device_total  # g = 1 fits; more heads cost more (the split rows) or as much (unsplit)
-    chosen = plan.plan_kv(info, 4096, budget, swa_full=False).chosen
+    chosen = plan_kv(info, 4096, budget, swa_full=False).chosen
     assert main("--model", gguf_models["gemma3-iswa"], "--ctx", 4096, "--vram", budget, "--no-swa-full",
                 "--layers") == 0
     out, err = capsys.readouterr()
@@ -282,7 +303,7 @@ def test_cli_table_and_choice(gguf_models, capsys):
 def test_cli_exact_bytes_and_json(gguf_models, capsys):
     assert main("-m", gguf_models["qwen2"], "-c", 2048, "--bytes") == 0
     out = capsys.readouterr().out
-    p = plan.plan_kv(gguf_models["qwen2"], 2048)
+    p = plan_kv(gguf_models["qwen2"], 2048)
     assert f" {p.row(2).device_kv} " in out and "no budget given" in out
     assert main("-m", gguf_models["qwen2"], "-c", 2048, "--json", "--vram", "1GiB", "--n-seq", 2) == 0
     d = json.loads(capsys.readouterr().out)
@@ -296,16 +317,16 @@ def test_cli_nothing_fits(gguf_models, capsys):
     assert err.startswith("error: the budget (1.00 MiB) is smaller than the weights")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["-m", "/nonexistent/model.gguf", "-c", 512], "model file not found"),
-    (["-m", "{mamba}", "-c", 512], "architecture 'mamba' is not supported"),
-    (["-m", "{llama-gqa}", "-c", 512, "--vram", "lots"], "cannot read 'lots' as a size"),
-    (["-m", "{llama-gqa}", "-c", 512, "--margin", "x"], "cannot read 'x' as a size"),
+@pytest.mark.parametrize("args, status, message", [
+    (["-m", "/nonexistent/model.gguf", "-c", 512], 2, "model file not found"),
+    (["-m", "{mamba}", "-c", 512], 1, "architecture 'mamba' is not supported"),  # a plan that cannot be made
+    (["-m", "{llama-gqa}", "-c", 512, "--vram", "lots"], 2, "cannot read 'lots' as a size"),
+    (["-m", "{llama-gqa}", "-c", 512, "--margin", "x"], 2, "cannot read 'x' as a size"),
 ])
-def test_cli_bad_input(gguf_models, extra_models, capsys, args, message):
+def test_cli_bad_input(gguf_models, extra_models, capsys, args, status, message):
     paths = {**gguf_models, **extra_models}
     args = [a.format(**{k: str(v) for k, v in paths.items()}) if isinstance(a, str) else a for a in args]
-    assert main(*args) == 1
+    assert main(*args) == status
     assert message in capsys.readouterr().err
 
 
@@ -359,9 +380,9 @@ def test_kv_bytes_match_llama_cpp(residency_llama, opened, all_models, force_spl
     kw = dict(n_seq_max=1, kv_unified=False, swa_full=True, type_k="f16", type_v="f16")
     kw.update(cfg)
     n_ctx = kw.pop("n_ctx")
-    info = plan.read_model_info(all_models[name])
-    p_dev = plan.plan_kv(info, n_ctx, n_gpu_layers=-1, n_batch=n_batch, n_ubatch=n_batch, **kw)
-    p_host = plan.plan_kv(info, n_ctx, n_gpu_layers=0, force_split=True, n_batch=n_batch, n_ubatch=n_batch, **kw)
+    info = read_model_info(all_models[name])
+    p_dev = plan_kv(info, n_ctx, n_gpu_layers=-1, n_batch=n_batch, n_ubatch=n_batch, **kw)
+    p_host = plan_kv(info, n_ctx, n_gpu_layers=0, force_split=True, n_batch=n_batch, n_ubatch=n_batch, **kw)
     assert p_dev.geometry == p_host.geometry
     n_split_seen = 0
     for g in range(1, p_dev.n_head_kv + 1):
@@ -386,7 +407,7 @@ def test_kv_bytes_match_llama_cpp(residency_llama, opened, all_models, force_spl
 
 
 def test_no_flash_attention_means_no_split(residency_llama, opened, all_models, force_split):
-    p = plan.plan_kv(all_models["gemma3-iswa"], 512, flash_attn=False, swa_full=False)
+    p = plan_kv(all_models["gemma3-iswa"], 512, flash_attn=False, swa_full=False)
     assert all(r.n_split == 0 for r in p.rows)
     with residency_llama.Context(opened["gemma3-iswa"], n_ctx=512, flash_attn=False, swa_full=False, n_threads=1,
                                  headinfer_gpu_heads_frac=0.5) as ctx:
@@ -397,7 +418,7 @@ def test_no_flash_attention_means_no_split(residency_llama, opened, all_models, 
 
 def test_weights_match_llama_model_size(residency_llama, opened, all_models):
     for name, model in opened.items():
-        w = plan.weights(plan.read_model_info(all_models[name]), 0)
+        w = weights(read_model_info(all_models[name]), 0)
         assert w.host == model.size, name  # untied outputs: every tensor once
 
 
@@ -427,7 +448,7 @@ def api_log():
 
 def _budget_for_g1(path, n_ctx, **kw):
     """A budget whose choice is g = 1: the g = 1 row's total, when every other row needs more."""
-    p = plan.plan_kv(path, n_ctx, n_gpu_layers=-1, force_split=True, **kw)
+    p = plan_kv(path, n_ctx, n_gpu_layers=-1, force_split=True, **kw)
     budget = p.row(1).device_total
     if any(r.device_total <= budget for r in p.rows[1:]):
         pytest.skip("no budget picks g = 1 for this model")
@@ -456,7 +477,7 @@ def test_context_vram_budget_errors(residency_llama, opened, force_split):
     with pytest.raises(ValueError, match="not both"):
         residency_llama.Context(opened["llama-gqa"], n_ctx=512, headinfer_gpu_heads_frac=0.5,
                                 headinfer_vram_budget="1GiB")
-    with pytest.raises(plan.BudgetTooSmallError, match="smaller than the weights") as exc:
+    with pytest.raises(BudgetTooSmallError, match="smaller than the weights") as exc:
         residency_llama.Context(opened["llama-gqa"], n_ctx=512, headinfer_vram_budget="1MiB")
     assert isinstance(exc.value, ValueError)
     with pytest.raises(ValueError, match="as a size"):
@@ -474,7 +495,7 @@ def test_context_vram_budget_without_gpu_or_force(residency_llama, opened, monke
 
 
 def test_generate_vram_budget(residency_llama, all_models, force_split, capsys):
-    from pyllama_headinfer import cli
+    from pyllama_headinfer.cli import main as cli
 
     budget = _budget_for_g1(all_models["llama-gqa"], 256, n_batch=512, n_ubatch=512)
     args = ["generate", "-m", str(all_models["llama-gqa"]), "-p", "Once upon a time", "-n", "3", "--ctx", "256",
@@ -483,8 +504,9 @@ def test_generate_vram_budget(residency_llama, all_models, force_split, capsys):
     err = capsys.readouterr().err
     assert "headinfer_gpu_heads_frac: 0.25" in err and "choice: g = 1 of 4" in err
     assert "layer   0: 1/4 heads resident" in err
-    assert cli.main(args + ["--vram-budget", "1GiB", "--frac", "0.5"]) == 1
-    assert "give --frac or --vram-budget, not both" in capsys.readouterr().err
+    for frac in ("0.5", "1.0"):  # both given: refused whatever the fraction (usage error)
+        assert cli.main(args + ["--vram-budget", "1GiB", "--frac", frac]) == 2
+        assert "not allowed with argument" in capsys.readouterr().err
     assert cli.main(args + ["--vram-budget", "1MiB"]) == 1
     assert "smaller than the weights" in capsys.readouterr().err
 
@@ -493,7 +515,7 @@ def test_shared_fixture_models_unchanged(gguf_models):
     """The plan reads the shared cached models; it must never write to them."""
     before = {n: p.stat().st_mtime_ns for n, p in gguf_models.items()}
     for p in gguf_models.values():
-        plan.plan_kv(p, 512, "1GiB")
+        plan_kv(p, 512, "1GiB")
     assert before == {n: p.stat().st_mtime_ns for n, p in gguf_models.items()}
 
 
@@ -527,10 +549,10 @@ def test_metadata_arrays_and_tied_output(tmp_path):
     w.write_tensors_to_file()
     w.close()
 
-    info = plan.read_model_info(path)
+    info = read_model_info(path)
     assert info.n_head_kv == (4, 2, 4, 8) and info.is_swa == (True, True, False, True) and info.tied_output
     assert [info.head_k_of(il) for il in range(4)] == [64, 64, 32, 64]
-    p = plan.plan_kv(info, 1024, n_ubatch=256, n_batch=256, swa_full=False)
+    p = plan_kv(info, 1024, n_ubatch=256, n_batch=256, swa_full=False)
     assert p.geometry.cells_base == 1024 and p.geometry.cells_swa == 512  # pad(min(1024, 100 + 256), 256)
     assert [(x.il, x.is_swa, x.cells, x.head_k) for x in p.layers] == \
         [(0, True, 512, 64), (1, True, 512, 64), (2, False, 1024, 32), (3, True, 512, 64)]
@@ -549,7 +571,7 @@ def test_fast_reader_agrees_with_gguf_reader(all_models, tmp_path):
     from gguf import GGUFReader, GGUFValueType
 
     for path in all_models.values():
-        kv, tensors = plan._read_gguf(path)
+        kv, tensors = gguf_index(path)
         r = GGUFReader(path)
         fields = {k: f for k, f in r.fields.items() if not k.startswith("GGUF.")}
         assert set(kv) == set(fields)

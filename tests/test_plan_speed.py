@@ -10,9 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_headinfer import cli, plan_speed, serve_cli
-from pyllama_headinfer.plan import plan_kv
-from pyllama_headinfer.plan_speed import H200_DEFAULTS, calibrate, predict_step_s, rank_options
+from pyllama_headinfer.cli import main as cli
+from pyllama_headinfer.cli import serve as serve_cli
+from pyllama_headinfer.cli.generate import kv_type_for_budget
+from pyllama_headinfer.params import ContextParams
+from pyllama_headinfer.vram import speed as plan_speed
+from pyllama_headinfer.vram.gguf import read_gguf
+from pyllama_headinfer.vram.plan import plan_kv
+from pyllama_headinfer.vram.speed import H200_DEFAULTS, calibrate, predict_step_s, rank_options
 
 GIB = 2**30
 
@@ -92,8 +97,9 @@ def test_calibration_files_per_device(isolated_cache):
 def budget_between(gguf_models):
     """A budget where the whole f16 cache does not fit but the whole q8_0 cache does."""
     model = gguf_models["llama-gqa"]
-    f16 = plan_kv(model, 32768, n_gpu_layers=-1).rows[-1].device_total
-    q8 = plan_kv(model, 32768, n_gpu_layers=-1, type_k="q8_0", type_v="q8_0").rows[-1].device_total
+    f16 = plan_kv(model, ContextParams(n_ctx=32768), n_gpu_layers=-1).rows[-1].device_total
+    q8 = plan_kv(model, ContextParams(n_ctx=32768, type_k="q8_0", type_v="q8_0"),
+                 n_gpu_layers=-1).rows[-1].device_total
     assert q8 < f16
     return model, (q8 + f16) // 2
 
@@ -116,14 +122,13 @@ def test_plan_names_q8_0_fastest_and_an_f16_split_fastest_exact(budget_between, 
 
 
 def test_generate_and_serve_pick_exact_unless_told(budget_between, tmp_path):
-    from pyllama_headinfer.generate_cli import _kv_type_for_budget
-
     model, budget = budget_between
-    args = argparse.Namespace(model=str(model), ctx=32768, vram_budget=str(budget), ngl=-1, batch=512,
-                              flash_attn=True, allow_quantized_kv=False)
-    assert _kv_type_for_budget(args) == "f16"
+    args = argparse.Namespace(ngl=-1, allow_quantized_kv=False)
+    params = ContextParams(n_ctx=32768, headinfer_vram_budget=str(budget))
+    opened = argparse.Namespace(gguf=read_gguf(model))  # what generate's Model read: no llama.cpp needed
+    assert kv_type_for_budget(opened, params, args) == "f16"
     args.allow_quantized_kv = True
-    assert _kv_type_for_budget(args) == "q8_0"
+    assert kv_type_for_budget(opened, params, args) == "q8_0"
     for allow, want in ((False, "f16"), (True, "q8_0")):
         command = serve_cli.server_command(model, frac=None, vram_budget=str(budget), margin="0", host="127.0.0.1",
                                            port=8080, extra=["-c", "32768", "-np", "1"], server=Path("/bin/true"),
@@ -135,7 +140,7 @@ def test_generate_and_serve_pick_exact_unless_told(budget_between, tmp_path):
 
 
 def test_rank_options_without_budget_lists_everything(gguf_models):
-    ranking = rank_options(gguf_models["llama-gqa"], 4096, None, n_gpu_layers=-1)
+    ranking = rank_options(gguf_models["llama-gqa"], ContextParams(n_ctx=4096), n_gpu_layers=-1)
     assert ranking.budget is None and all(o.fits for o in ranking.options)
     speeds = [o.predicted_decode_tok_s for o in ranking.options]
     assert speeds == sorted(speeds, reverse=True)

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_headinfer import bindings, paths
+from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, find_manifest
+from pyllama_headinfer import paths
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +103,8 @@ def ensure_gemma3_270m() -> Path:
 
 _SCRIPT = r"""
 import json, logging, sys
-from pyllama_headinfer import bindings, llama
+from pyllama_headinfer import llama
+from pyllama_headinfer.runtime.log import capture_log
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)  # llama.cpp's log, for the failure message
 
@@ -111,7 +113,7 @@ out = {}
 with llama.Model(path) as model:
     out["n_head_kv"], out["n_swa"], out["n_layer"] = model.n_head_kv, model.n_swa, model.n_layer
     for frac in (0.5, 1.0):
-        with bindings.capture_log() as log:
+        with capture_log() as log:
             ctx = llama.Context(model, n_ctx=512, n_threads=2, flash_attn=True, headinfer_gpu_heads_frac=frac)
         with ctx, llama.Sampler.greedy() as greedy:
             toks = list(ctx.generate(model.tokenize("The capital of France is the city of"), 16, greedy))
@@ -121,19 +123,15 @@ print(json.dumps(out))
 """
 
 
-def test_gemma3_270m_generates_with_a_fraction_set():
+def test_gemma3_270m_generates_with_a_fraction_set(built):
     """frac=0.5 with the split forced on (as a GPU build would split): every
     layer has one KV head, so none is split and the log says why; greedy
     decoding of "The capital of France is the city of" names Paris, exactly as without a
     fraction.  Run in a subprocess: a crash in llama.cpp fails this test only."""
-    try:
-        bindings.load()
-    except bindings.NotBuiltError as exc:
-        pytest.skip(f"no llama.cpp build: {exc}")
     path = ensure_gemma3_270m()
     assert _sha256(path) == MODEL_SHA256
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), **{FORCE_SPLIT: "1"})
-    env.setdefault(bindings.ENV_BUILD_DIR, str(bindings.load_manifest()[0]))
+    env.setdefault(BUILD_DIR_ENV, str(find_manifest().build_dir))
     res = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _SCRIPT, str(path)], capture_output=True, text=True, env=env,
                          timeout=600)
     if res.returncode != 0:

@@ -17,7 +17,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from pyllama_headinfer.testing_models import CORPUS
+from testing_models import CORPUS
 
 FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 
@@ -41,7 +41,7 @@ def run_child(code: str, *args: str, timeout: float = 240) -> subprocess.Complet
 THREADS_CHILD = """
     import sys, threading
     from pyllama_headinfer.llama import Model, Context
-    from pyllama_headinfer.testing_models import CORPUS
+    from testing_models import CORPUS
 
     model = Model(sys.argv[1])
     prompt = model.tokenize(CORPUS)[:24]
@@ -80,7 +80,7 @@ def test_one_context_two_threads_generate_as_if_sequential(built, gguf_models):
 CLOSE_CHILD = """
     import sys, threading
     from pyllama_headinfer.llama import Model, Context, ClosedError
-    from pyllama_headinfer.testing_models import CORPUS
+    from testing_models import CORPUS
 
     model = Model(sys.argv[1])
     prompt = model.tokenize(CORPUS)[:24]
@@ -200,7 +200,7 @@ def test_failed_seq_state_load_leaves_that_sequence_empty(llama, model, frac, tm
 FULL_DISK_CHILD = """
     import os, resource, signal, sys
     from pyllama_headinfer.llama import Model, Context, StateError
-    from pyllama_headinfer.testing_models import CORPUS
+    from testing_models import CORPUS
 
     model_path, directory = sys.argv[1], sys.argv[2]
     model = Model(model_path)
@@ -297,7 +297,7 @@ def test_a_context_larger_than_the_machine_is_refused_at_once(llama, model):
 
 
 def test_cli_prints_a_llama_cpp_error_once(built, gguf_models, capsys):
-    from pyllama_headinfer import cli
+    from pyllama_headinfer.cli import main as cli
 
     rc = cli.main(["generate", "--model", str(gguf_models["llama-gqa"]), "--prompt", "hi", "-n", "1",
                    "--cache-type-v", "q4_0", "--no-flash-attn"])

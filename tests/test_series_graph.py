@@ -18,7 +18,7 @@ import re
 
 import pytest
 
-from pyllama_headinfer.testing_models import SPECS
+from testing_models import SPECS
 
 pytestmark = pytest.mark.usefixtures("residency_llama")
 

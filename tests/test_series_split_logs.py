@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_headinfer.testing_models import CORPUS, ensure_extra_models
+from testing_models import CORPUS, ensure_extra_models
 
 FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyllama_headinfer.testing_models import CORPUS
+from testing_models import CORPUS
 
 FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 N_PROMPT = 40

@@ -23,10 +23,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from pyllama_headinfer import build as B
 from pyllama_headinfer import paths
-from pyllama_headinfer import serve_cli
-from pyllama_headinfer.testing_models import CORPUS
+from pyllama_headinfer.build import build as B
+from pyllama_headinfer.cli import serve as serve_cli
+from pyllama_headinfer.errors import ServeError
+from pyllama_headinfer.runtime.manifest import find_manifest, read_manifest
+from testing_models import CORPUS
 
 FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 REAL_CACHE = paths.cache_dir()
@@ -38,15 +40,14 @@ PROMPT = CORPUS[:160]
 def server_binary(built) -> Path:
     """llama-server of the build the bindings use (the checkout's build/cpu in CI), built with
     --tools when it has none."""
-    from pyllama_headinfer import bindings
-
-    bdir, manifest = bindings.load_manifest()
-    path = (manifest.get("executables") or {}).get(serve_cli.SERVER)
+    manifest = find_manifest()
+    bdir = manifest.build_dir
+    path = (manifest.data.get("executables") or {}).get(serve_cli.SERVER)
     if not path or not Path(path).is_file():
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv(paths.CACHE_ENV, str(REAL_CACHE))
             B.build(build_dir=bdir, cuda=False, tools=True)
-        path = B.load_manifest(bdir)["executables"][serve_cli.SERVER]
+        path = read_manifest(bdir).data["executables"][serve_cli.SERVER]
     return Path(path)
 
 
@@ -178,7 +179,7 @@ def test_serve_refuses_a_port_in_use(server_binary, gguf_models):
         port = busy.getsockname()[1]
         command = serve_cli.server_command(gguf_models["llama-gqa"], frac=0.5, vram_budget=None, margin="0",
                                            host="127.0.0.1", port=port, extra=[], server=server_binary)
-        with pytest.raises(serve_cli.ServeError, match=f"port {port} on 127.0.0.1 is in use"):
+        with pytest.raises(ServeError, match=f"port {port} on 127.0.0.1 is in use"):
             serve_cli.start_server(command, echo=None, timeout=30)
 
 
@@ -187,12 +188,12 @@ def test_serve_reports_a_server_that_dies_while_starting(server_binary, tmp_path
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     command = serve_cli.server_command(bad, frac=1.0, vram_budget=None, margin="0", host="127.0.0.1",
                                        port=free_port(), extra=[], server=server_binary)
-    with pytest.raises(serve_cli.ServeError, match="exited with status .* while starting"):
+    with pytest.raises(ServeError, match="exited with status .* while starting"):
         serve_cli.start_server(command, echo=None, timeout=60)
 
 
 def test_serve_usage_errors(gguf_models, tmp_path, capsys):
-    from pyllama_headinfer import cli
+    from pyllama_headinfer.cli import main as cli
 
     model = str(gguf_models["llama-gqa"])
     assert cli.main(["serve", "--model", str(tmp_path / "missing.gguf")]) == 2

@@ -17,8 +17,13 @@ from typing import List
 import pytest
 
 from conftest import git, snapshot
-from pyllama_headinfer import patches, paths, pin, source, tree_verify
+from pyllama_headinfer import paths, pin
 from pyllama_headinfer.errors import SourceError
+from pyllama_headinfer.patches.apply import apply
+from pyllama_headinfer.patches.series import load_series
+from pyllama_headinfer.patches.status import State, status, tree_acceptance
+from pyllama_headinfer.source import fetch, tree_verify
+from pyllama_headinfer.source.archive import extract_subtree
 
 pytestmark = pytest.mark.usefixtures("isolated_cache")
 
@@ -73,7 +78,7 @@ def no_pypi(monkeypatch):
     def refuse(downloads):
         raise SourceError("PyPI disabled in this test")
 
-    monkeypatch.setattr(source, "_download_sdist", refuse)
+    monkeypatch.setattr(fetch, "_download_sdist", refuse)
 
 
 def github_like_archive(repo: Path, commit: str, destination: Path) -> Path:
@@ -90,17 +95,17 @@ def github_like_archive(repo: Path, commit: str, destination: Path) -> Path:
 
 
 def test_the_packaged_listing_is_the_pinned_commit():
-    source.check_pin_listing()
-    assert source.git_tree_id(pin.pinned_files()) == pin.pinned_tree_id()
+    tree_verify.check_pin_listing()
+    assert tree_verify.git_tree_id(pin.pinned_files()) == pin.pinned_tree_id()
     assert len(pin.pinned_files()) == 3665
 
 
 def test_tree_and_blob_ids_match_git(fake_pin):
-    assert source.git_tree_id(fake_pin.listing) == fake_pin.tree_id
-    assert source.git_tree_id(fake_pin.applied_listing()) == git(fake_pin.repo, "rev-parse", "HEAD^{tree}").decode().strip()
+    assert tree_verify.git_tree_id(fake_pin.listing) == fake_pin.tree_id
+    assert tree_verify.git_tree_id(fake_pin.applied_listing()) == git(fake_pin.repo, "rev-parse", "HEAD^{tree}").decode().strip()
     readme = fake_pin.tree / "README.md"
-    assert source.hash_file(readme) == git(fake_pin.repo, "hash-object", str(readme)).decode().strip()
-    assert source.scan_tree(fake_pin.tree) == fake_pin.listing
+    assert tree_verify.hash_file(readme) == git(fake_pin.repo, "hash-object", str(readme)).decode().strip()
+    assert tree_verify.scan_tree(fake_pin.tree) == fake_pin.listing
 
 
 def test_tree_id_sorts_like_git(tmp_path):
@@ -115,7 +120,7 @@ def test_tree_id_sorts_like_git(tmp_path):
     git(repo, "commit", "-qm", "x")
     from conftest import git_listing
 
-    assert source.git_tree_id(git_listing(repo, "HEAD")) == git(repo, "rev-parse", "HEAD^{tree}").decode().strip()
+    assert tree_verify.git_tree_id(git_listing(repo, "HEAD")) == git(repo, "rev-parse", "HEAD^{tree}").decode().strip()
 
 
 # --------------------------------------------------------------------------
@@ -124,14 +129,14 @@ def test_tree_id_sorts_like_git(tmp_path):
 
 def test_verify_reports_missing_extra_and_differing(fake_pin, tmp_path):
     tree = fake_pin.fresh_tree(tmp_path / "t")
-    assert source.verify_tree(tree).ok
+    assert tree_verify.verify_tree(tree).ok
     (tree / "src/util.c").write_text("changed\n")
     (tree / "docs/old.txt").unlink()
     (tree / "new.txt").write_text("new\n")
     (tree / "tools/run.sh").chmod(0o644)
     (tree / ".git").mkdir()  # a top-level repository is not content
     (tree / ".git/HEAD").write_text("ref: refs/heads/main\n")
-    diff = source.verify_tree(tree)
+    diff = tree_verify.verify_tree(tree)
     assert diff.differing == ("src/util.c", "tools/run.sh")
     assert diff.missing == ("docs/old.txt",)
     assert diff.extra == ("new.txt",)
@@ -142,13 +147,13 @@ def test_stat_cache_skips_rehashing_but_sees_changes(fake_pin, tmp_path, monkeyp
     tree = fake_pin.fresh_tree(tmp_path / "t")
     before = snapshot(tree)
     hashed = []
-    real_hash = source.hash_file
+    real_hash = tree_verify.hash_file
     monkeypatch.setattr(tree_verify, "hash_file", lambda path, size=None: hashed.append(path) or real_hash(path, size))
 
-    source.scan_tree(tree)
+    tree_verify.scan_tree(tree)
     assert len(hashed) == len(fake_pin.listing)
     hashed.clear()
-    source.scan_tree(tree)
+    tree_verify.scan_tree(tree)
     assert hashed == []  # untouched tree: nothing read
     assert snapshot(tree) == before  # the cache lives outside the tree
     assert list((paths.cache_dir() / "statcache").glob("*.json"))
@@ -158,13 +163,13 @@ def test_stat_cache_skips_rehashing_but_sees_changes(fake_pin, tmp_path, monkeyp
     info = util.stat()
     util.write_bytes(util.read_bytes().replace(b"1", b"7", 1))
     os.utime(util, ns=(info.st_atime_ns, info.st_mtime_ns))
-    assert source.verify_tree(tree).differing == ("src/util.c",)
+    assert tree_verify.verify_tree(tree).differing == ("src/util.c",)
 
     # a file changed just now is never trusted from the cache
     hashed.clear()
     (tree / "README.md").write_text("fresh\n")
-    source.scan_tree(tree)
-    source.scan_tree(tree)
+    tree_verify.scan_tree(tree)
+    tree_verify.scan_tree(tree)
     assert [Path(p).name for p in hashed].count("README.md") == 2
 
 
@@ -181,12 +186,12 @@ def _age_recent_files(tree, seconds: float = 60.0) -> None:
 
 def test_reverifying_the_real_tree_reads_nothing(pinned_source, monkeypatch):
     _age_recent_files(pinned_source)
-    assert source.verify_tree(pinned_source).ok  # fills this test's stat cache
+    assert tree_verify.verify_tree(pinned_source).ok  # fills this test's stat cache
     hashed = []
-    real_hash = source.hash_file
+    real_hash = tree_verify.hash_file
     monkeypatch.setattr(tree_verify, "hash_file", lambda path, size=None: hashed.append(path) or real_hash(path, size))
     started = time.monotonic()
-    assert source.verify_tree(pinned_source).ok
+    assert tree_verify.verify_tree(pinned_source).ok
     elapsed = time.monotonic() - started
     assert hashed == []
     assert elapsed < 2.0, f"re-verifying took {elapsed:.2f}s"
@@ -198,36 +203,39 @@ def test_reverifying_the_real_tree_reads_nothing(pinned_source, monkeypatch):
 
 def test_explicit_tree_at_the_wrong_commit_is_refused(fake_pin, tmp_path, caplog):
     tree = fake_pin.fresh_tree(tmp_path / "t")
-    assert source.ensure_source(tree) == tree.resolve()
+    assert fetch.ensure_source(tree) == tree.resolve()
     (tree / "src/util.c").write_text("int util = 'other commit';\n")
     with pytest.raises(SourceError) as refused:
-        source.ensure_source(tree)
+        fetch.ensure_source(tree)
     message = str(refused.value)
     assert "src/util.c" in message and "--allow-unverified" in message
     with caplog.at_level(logging.WARNING, logger="pyllama_headinfer"):
-        assert source.ensure_source(tree, allow_unverified=True) == tree.resolve()
+        assert fetch.ensure_source(tree, allow_unverified=True) == tree.resolve()
     assert "although" in caplog.text
 
 
 def test_explicit_tree_from_the_environment(fake_pin, tmp_path, monkeypatch):
     tree = fake_pin.fresh_tree(tmp_path / "t")
-    monkeypatch.setenv(source.LLAMA_SRC_ENV, str(tree))
-    assert source.ensure_source() == tree.resolve()
-    assert source.locate_tree() == tree.resolve()
+    monkeypatch.setenv(fetch.LLAMA_SRC_ENV, str(tree))
+    assert fetch.ensure_source() == tree.resolve()
+    assert fetch.locate_tree() == tree.resolve()
 
 
 def test_patched_cached_tree_is_reused(fake_pin, no_pypi):
-    cached = fake_pin.fresh_tree(source.cached_tree_path())
-    patches.apply(cached)  # the default series is the fake one (see fake_pin)
-    assert source.ensure_source() == cached
-    assert source.tree_acceptance(cached) == (True, "patch series applied")
+    cached = fake_pin.fresh_tree(fetch.cached_tree_path())
+    apply(cached)  # the default series is the fake one (see fake_pin)
+    assert fetch.ensure_source(accept=tree_acceptance) == cached
+    assert tree_acceptance(cached) == (True, "patch series applied")
+    # the source layer alone (without the patch manager's acceptance) takes only the pristine pin
+    with pytest.raises(SourceError, match="not the pin"):
+        fetch.ensure_source()
 
 
 def test_modified_cached_tree_is_refused_with_a_recipe(fake_pin, no_pypi):
-    cached = fake_pin.fresh_tree(source.cached_tree_path())
+    cached = fake_pin.fresh_tree(fetch.cached_tree_path())
     (cached / "README.md").write_text("hand edit\n")
     with pytest.raises(SourceError, match="source fetch --force"):
-        source.ensure_source()
+        fetch.ensure_source()
 
 
 # --------------------------------------------------------------------------
@@ -236,19 +244,19 @@ def test_modified_cached_tree_is_refused_with_a_recipe(fake_pin, no_pypi):
 
 def test_fetch_from_a_github_style_archive(fake_pin, http_server, monkeypatch, no_pypi):
     github_like_archive(fake_pin.repo, fake_pin.base, http_server.root / "archive.tar.gz")
-    monkeypatch.setenv(source.ARCHIVE_URL_ENV, f"{http_server.url}/archive.tar.gz")
+    monkeypatch.setenv(fetch.ARCHIVE_URL_ENV, f"{http_server.url}/archive.tar.gz")
 
-    tree = source.ensure_source()
-    assert tree == source.cached_tree_path()
-    assert source.verify_tree(tree).ok
+    tree = fetch.ensure_source()
+    assert tree == fetch.cached_tree_path()
+    assert tree_verify.verify_tree(tree).ok
     assert http_server.requests == ["/archive.tar.gz"]
-    kept = source.downloads_dir() / f"llama.cpp-{fake_pin.base}.tar.gz"
+    kept = fetch.downloads_dir() / f"llama.cpp-{fake_pin.base}.tar.gz"
     assert kept.is_file()
     assert [p.name for p in tree.parent.iterdir()] == [tree.name]  # no staging left behind
 
     (tree / "README.md").write_text("hand edit\n")
-    again = source.fetch_source(force=True)  # replaces the edited tree from the kept archive
-    assert again == tree and source.verify_tree(tree).ok
+    again = fetch.fetch_source(force=True)  # replaces the edited tree from the kept archive
+    assert again == tree and tree_verify.verify_tree(tree).ok
     assert http_server.requests == ["/archive.tar.gz"]
 
 
@@ -256,23 +264,23 @@ def test_fetch_force_keeps_the_times_of_unchanged_files(fake_pin, http_server, m
     """`source fetch --force` (the recipe for an edited cache) must not make the
     next build recompile everything: unchanged files, and patched files that
     the build patches back to the same bytes, keep their times (issue 16.4)."""
-    from pyllama_headinfer.series_swap import _prepare_source
+    from pyllama_headinfer.build.series_swap import prepare_source
 
     github_like_archive(fake_pin.repo, fake_pin.base, http_server.root / "archive.tar.gz")
-    monkeypatch.setenv(source.ARCHIVE_URL_ENV, f"{http_server.url}/archive.tar.gz")
-    tree, _ = _prepare_source(None, False, lambda msg: None)  # fetch + apply the (fake) series
-    assert patches.status(tree).state == patches.State.APPLIED
+    monkeypatch.setenv(fetch.ARCHIVE_URL_ENV, f"{http_server.url}/archive.tar.gz")
+    tree, _ = prepare_source(None, False, lambda msg: None)  # fetch + apply the (fake) series
+    assert status(tree).state == State.APPLIED
     old = 1_000_000_000 * 1_500_000_000  # 2017: older than anything a build makes
     files = [p for p in tree.rglob("*") if p.is_file() and not p.is_symlink()]
     for path in files:
         os.utime(path, ns=(old, old))
-    patched = patches.load_series().touched
+    patched = load_series().touched
     edited = next(str(p.relative_to(tree)) for p in files if str(p.relative_to(tree)) not in patched)
     (tree / edited).write_text("hand edit\n")  # the reason to run fetch --force
 
-    assert source.fetch_source(force=True) == tree
-    again, _ = _prepare_source(None, False, lambda msg: None)
-    assert again == tree and patches.status(tree).state == patches.State.APPLIED
+    assert fetch.fetch_source(force=True) == tree
+    again, _ = prepare_source(None, False, lambda msg: None)
+    assert again == tree and status(tree).state == State.APPLIED
     newer = sorted(str(p.relative_to(tree)) for p in files if p.exists() and p.stat().st_mtime_ns != old)
     assert newer == [edited], patched
 
@@ -280,19 +288,19 @@ def test_fetch_force_keeps_the_times_of_unchanged_files(fake_pin, http_server, m
 def test_wrong_archive_is_rejected_and_deleted(fake_pin, http_server, monkeypatch, no_pypi):
     other = git(fake_pin.repo, "rev-parse", "HEAD").decode().strip()
     github_like_archive(fake_pin.repo, other, http_server.root / "archive.tar.gz")
-    monkeypatch.setenv(source.ARCHIVE_URL_ENV, f"{http_server.url}/archive.tar.gz")
+    monkeypatch.setenv(fetch.ARCHIVE_URL_ENV, f"{http_server.url}/archive.tar.gz")
     with pytest.raises(SourceError) as failure:
-        source.ensure_source()
+        fetch.ensure_source()
     assert "not the pin" in str(failure.value)
-    assert not source.cached_tree_path().exists()
-    assert not list(source.downloads_dir().iterdir())
+    assert not fetch.cached_tree_path().exists()
+    assert not list(fetch.downloads_dir().iterdir())
 
 
 def test_failed_download_leaves_no_partial_file(http_server, monkeypatch, no_pypi):
-    monkeypatch.setenv(source.ARCHIVE_URL_ENV, f"{http_server.url}/missing.tar.gz")
+    monkeypatch.setenv(fetch.ARCHIVE_URL_ENV, f"{http_server.url}/missing.tar.gz")
     with pytest.raises(SourceError, match="download failed: 404"):
-        source.ensure_source()
-    assert not list(source.downloads_dir().iterdir())
+        fetch.ensure_source()
+    assert not list(fetch.downloads_dir().iterdir())
 
 
 def test_a_tree_installed_by_a_concurrent_fetch_is_kept(tmp_path):
@@ -300,9 +308,9 @@ def test_a_tree_installed_by_a_concurrent_fetch_is_kept(tmp_path):
     final.mkdir()
     (final / "theirs").write_text("")
     staged.mkdir()
-    assert source._install_tree(staged, final, replace=False) == final
+    assert fetch.install_tree(staged, final, replace=False) == final
     assert (final / "theirs").exists()
-    assert source._install_tree(staged, final, replace=True) == final
+    assert fetch.install_tree(staged, final, replace=True) == final
     assert not (final / "theirs").exists() and not staged.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name != "cache"] == ["final"]  # cache: isolated_cache's
 
@@ -312,11 +320,11 @@ def test_path_traversal_archive_is_refused(fake_pin, http_server, monkeypatch, n
     with tarfile.open(archive, "w:gz") as tar:
         _add(tar, f"llama.cpp-{fake_pin.base}/README.md", b"fine")
         _add(tar, f"llama.cpp-{fake_pin.base}/../../escaped.txt", b"gotcha")
-    monkeypatch.setenv(source.ARCHIVE_URL_ENV, f"{http_server.url}/evil.tar.gz")
+    monkeypatch.setenv(fetch.ARCHIVE_URL_ENV, f"{http_server.url}/evil.tar.gz")
     with pytest.raises(SourceError, match=r"unsafe archive member .*'\.\.'"):
-        source.ensure_source()
+        fetch.ensure_source()
     assert not list(tmp_path.rglob("escaped.txt"))
-    assert not source.cached_tree_path().exists()
+    assert not fetch.cached_tree_path().exists()
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes = b"", **attributes) -> None:
@@ -345,7 +353,7 @@ def test_unsafe_members_abort_extraction(tmp_path, evil):
     destination = tmp_path / "out"
     destination.mkdir()
     with pytest.raises(SourceError, match="unsafe archive member"):
-        source.extract_subtree(archive, destination)
+        extract_subtree(archive, destination)
     assert not (tmp_path / "x").exists() and not (destination / "link").exists()
 
 
@@ -358,7 +366,7 @@ def test_extract_subtree_strips_the_prefix_and_the_gitfile(tmp_path):
         _add(tar, "pkg-1.0/vendor/lib/link.c", type=tarfile.SYMTYPE, linkname="src/a.c")
     out = tmp_path / "out"
     out.mkdir()
-    assert source.extract_subtree(archive, out, "vendor/lib") == 2
+    assert extract_subtree(archive, out, "vendor/lib") == 2
     assert sorted(p.name for p in out.rglob("*")) == ["a.c", "link.c", "src"]
     assert os.access(out / "src/a.c", os.X_OK) and os.readlink(out / "link.c") == "src/a.c"
 
@@ -366,33 +374,33 @@ def test_extract_subtree_strips_the_prefix_and_the_gitfile(tmp_path):
 def test_every_source_failing_is_one_error_listing_them(dead_url, monkeypatch, tmp_path):
     empty = tmp_path / "no-wheels"
     empty.mkdir()
-    monkeypatch.setenv(source.ARCHIVE_URL_ENV, dead_url)
-    monkeypatch.setenv(source.PIP_ARGS_ENV, f"--no-index --find-links {empty}")
+    monkeypatch.setenv(fetch.ARCHIVE_URL_ENV, dead_url)
+    monkeypatch.setenv(fetch.PIP_ARGS_ENV, f"--no-index --find-links {empty}")
     with pytest.raises(SourceError) as failure:
-        source.ensure_source()
+        fetch.ensure_source()
     message = str(failure.value)
     assert "cached tree: none at" in message
     assert f"GitHub archive {dead_url}" in message
     assert f"PyPI sdist {pin.SDIST_NAME}=={pin.SDIST_VERSION}: pip download failed" in message
-    assert not source.cached_tree_path().exists()
+    assert not fetch.cached_tree_path().exists()
 
 
 def test_fetch_from_the_real_sdist(pinned_sdist, dead_url, monkeypatch):
     """Extraction and verification of the real sdist's vendor/llama.cpp (the download is cached)."""
-    downloads = source.downloads_dir()
+    downloads = fetch.downloads_dir()
     downloads.mkdir(parents=True)
     (downloads / pinned_sdist.name).symlink_to(pinned_sdist)
-    monkeypatch.setenv(source.ARCHIVE_URL_ENV, dead_url)
-    tree = source.ensure_source()
-    assert tree == source.cached_tree_path()
+    monkeypatch.setenv(fetch.ARCHIVE_URL_ENV, dead_url)
+    tree = fetch.ensure_source()
+    assert tree == fetch.cached_tree_path()
     assert not (tree / ".git").exists()  # the sdist's dangling gitfile is dropped
-    assert source.verify_tree(tree).ok
+    assert tree_verify.verify_tree(tree).ok
     assert (downloads / pinned_sdist.name).exists()
 
 
 def test_pip_download_command(monkeypatch, tmp_path):
-    monkeypatch.setenv(source.PIP_ARGS_ENV, "--index-url http://mirror/simple")
-    command = source.pip_download_command(tmp_path)
+    monkeypatch.setenv(fetch.PIP_ARGS_ENV, "--index-url http://mirror/simple")
+    command = fetch.pip_download_command(tmp_path)
     assert command[1:6] == ["-m", "pip", "download", "--no-deps", "--no-binary"]
     assert command[-3:] == ["--index-url", "http://mirror/simple", "llama-cpp-python==0.3.36"]
 
@@ -422,9 +430,9 @@ def test_project_paths(monkeypatch, tmp_path):
 
 def test_an_unreachable_archive_host_is_one_short_line(isolated_cache, monkeypatch, tmp_path):
     """Before the PyPI fallback, an unreachable GitHub used to log a long NameResolutionError repr (16.8)."""
-    monkeypatch.setenv(source.ARCHIVE_URL_ENV, "https://host.invalid/llama.cpp.tar.gz")  # RFC 6761: never resolves
+    monkeypatch.setenv(fetch.ARCHIVE_URL_ENV, "https://host.invalid/llama.cpp.tar.gz")  # RFC 6761: never resolves
     with pytest.raises(SourceError) as err:
-        source._download_github_archive(tmp_path)
+        fetch._download_github_archive(tmp_path)
     message = str(err.value)
     assert "host.invalid" in message and "\n" not in message and len(message) < 200, message
     assert "NameResolutionError" not in message and "object at 0x" not in message, message

@@ -1,19 +1,19 @@
-"""The implementation of the Python API, one job per module.  Import from
-:mod:`pyllama_headinfer.llama`, the public facade, not from here.
+"""The implementation of the Python API, one job per module; users import
+from :mod:`pyllama_headinfer.llama`, the public facade.
 
-- :mod:`.exceptions` -- the exception types (``ModelError``, ``ClosedError``,
-  ``ContextError``, ``DecodeError``, ``TokenError``, ``ContextOverflowError``,
-  ``StateError``)
-- :mod:`.gguf_check` -- ``check_gguf``, the GGUF pre-flight check (over the
-  package's one GGUF reader, :mod:`pyllama_headinfer.gguf_meta`)
+- :mod:`.handle` -- ``Handle``, the close / ``with`` / ClosedError lifetime
 - :mod:`.model` -- ``Model``: loading, properties, tokenize / detokenize
 - :mod:`.sampler` -- ``Sampler``: llama.cpp sampler chains
-- :mod:`.context` -- ``Context``: decode, logits, generate, sequence ops,
-  state; its parameters (``KV_CACHE_TYPES``, ``check_headinfer_frac``)
-- :mod:`.residency` -- the HeadInfer KV residency report: reading it
-  (behind ``Context.kv_residency``), ``format_kv_residency``,
-  ``HEADINFER_HOST_SUFFIX``
+- :mod:`.context` -- ``Context``, made of :mod:`.decoding` (batches, decode,
+  logits, generate, chat; :mod:`.shared_prefix`), :mod:`.sequences` (KV
+  cache sequences) and :mod:`.state` (save / load; :mod:`.atomic_file`)
+- :mod:`.chat` -- chat prompts through llama.cpp's templates
+- :mod:`.residency` -- the HeadInfer KV residency report
+- :mod:`.devices` -- devices and RPC servers
+- :mod:`.gguf_check` -- ``check_gguf``, the GGUF pre-flight check
+- :mod:`.bench` -- the speed/memory sweep behind the ``bench`` command
 
-Imports run one way (exceptions <- gguf_check <- model <- sampler <-
-context; residency is used by context), so there are no cycles.
+Imports run one way (handle, chat <- model <- sampler <- shared_prefix <-
+decoding <- context), so there are no cycles; nothing here imports the build
+tool (tests/test_layers.py).
 """

@@ -11,13 +11,9 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from .exceptions import ContextError
+from pyllama_headinfer.errors import ChatTemplateError
 
 ROLES = ("system", "user", "assistant", "tool")
-
-
-class ChatTemplateError(ContextError, ValueError):
-    """No usable chat template, or messages it cannot format."""
 
 
 def check_messages(messages: Sequence[Mapping[str, str]]) -> list:

@@ -1,78 +1,44 @@
-""":class:`Context`: an inference context on a :class:`Model` -- its
-parameters (:data:`KV_CACHE_TYPES`, :func:`check_headinfer_frac`), decoding
-and logits, ``generate``/``complete``, sequence (KV cache) operations, state
-save/load, and the HeadInfer KV residency report (read in
-:mod:`.residency`)."""
+""":class:`Context`: an inference context on a :class:`~.model.Model`.
+
+Its parameters are one :class:`~pyllama_headinfer.params.ContextParams`
+(checked before anything reaches llama.cpp); its jobs live in mixins, one
+module each: :mod:`.decoding` (batches, decode, logits, generate),
+:mod:`.sequences` (the KV cache's sequences), :mod:`.state` (save/load);
+the HeadInfer residency report is read by :mod:`.residency`.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import functools
 import logging
-import math
-import numbers
 import os
 import threading
 import warnings
-from typing import Iterator, Sequence
 
-import numpy as np
-
-from .. import bindings
-from .exceptions import (ClosedError, ContextError, ContextOverflowError, DecodeError, HeadInferWarning,
-                         StateError, _log_tail)
-from .atomic_file import atomic_output_path
-from .model import Model
-from .residency import kv_residency_totals, read_kv_residency
-from .sampler import Sampler
+from pyllama_headinfer.api.decoding import Decoding
+from pyllama_headinfer.api.handle import Handle, serialized
+from pyllama_headinfer.api.model import Model
+from pyllama_headinfer.api.residency import kv_residency_totals, read_kv_residency
+from pyllama_headinfer.api.sequences import Sequences
+from pyllama_headinfer.api.state import StateIO
+from pyllama_headinfer.errors import ContextError, HeadInferWarning
+from pyllama_headinfer.params import ContextParams, format_bytes
+from pyllama_headinfer.runtime.log import capture_log, checked_call
+from pyllama_headinfer.vram.plan import Plan, plan_for_context, plan_kv
 
 # The API's logger keeps the name of the public module (documented, and what
-# bindings routes llama.cpp's own log to).
+# the runtime routes llama.cpp's own log to).
 logger = logging.getLogger("pyllama_headinfer.llama")
-
-KV_CACHE_TYPES = {
-    "f32": "GGML_TYPE_F32",
-    "f16": "GGML_TYPE_F16",
-    "bf16": "GGML_TYPE_BF16",
-    "q8_0": "GGML_TYPE_Q8_0",
-    "q4_0": "GGML_TYPE_Q4_0",
-    "q4_1": "GGML_TYPE_Q4_1",
-    "q5_0": "GGML_TYPE_Q5_0",
-    "q5_1": "GGML_TYPE_Q5_1",
-    "iq4_nl": "GGML_TYPE_IQ4_NL",
-}
-
-
-def check_headinfer_frac(frac) -> float:
-    """``frac`` as a float in [0, 1]; ValueError naming the value otherwise (NaN, out of range, not a number)."""
-    if isinstance(frac, bool) or not isinstance(frac, numbers.Real):
-        raise ValueError(f"headinfer_gpu_heads_frac must be a number in [0, 1], got {frac!r}")
-    f = float(frac)
-    if math.isnan(f) or not 0.0 <= f <= 1.0:
-        raise ValueError(f"headinfer_gpu_heads_frac must be in [0, 1], got {frac!r}")
-    return f
-
-
-def _check_count(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value > 2**31 - 1:
-        raise ValueError(f"{name} is too large: {value!r}")
-    return int(value)
-
 
 _HUGE_N_CTX = 1 << 20  # above this (and the model's training context) the KV size is checked first
 
 
-def _check_kv_fits_the_machine(model: Model, ffi, lib, **params) -> None:
+def _check_kv_fits_the_machine(model: Model, params: ContextParams, ffi, lib) -> None:
     """Refuse a context whose KV cache alone exceeds all the memory of this
     machine (RAM + devices): llama.cpp would spend a long time (30 s for
     n_ctx = 2**31 - 1) before failing with std::bad_alloc."""
-    from ..plan import format_bytes, plan_kv
-
     try:
-        row = plan_kv(model.path, **params).rows[-1]  # g = n_head_kv: the whole cache
+        whole = params.replace(headinfer_gpu_heads_frac=None, headinfer_vram_budget=None)
+        row = plan_kv(model.gguf, whole).rows[-1]  # g = n_head_kv: the whole cache
     except Exception as exc:  # noqa: BLE001 - an estimate only; llama.cpp has the last word
         logger.debug("no KV size estimate before creating the context: %s", exc)
         return
@@ -85,40 +51,27 @@ def _check_kv_fits_the_machine(model: Model, ffi, lib, **params) -> None:
             lib.ggml_backend_dev_memory(dev, free, total)
             memory += int(total[0])
     if kv > memory:
-        raise ContextError(f"n_ctx={params['n_ctx']} needs {format_bytes(kv)} of KV cache "
-                           f"({params['type_k']}/{params['type_v']}), more than all the memory of this machine "
+        raise ContextError(f"n_ctx={params.n_ctx} needs {format_bytes(kv)} of KV cache "
+                           f"({params.type_k}/{params.type_v}), more than all the memory of this machine "
                            f"({format_bytes(memory)}, RAM and devices)")
 
 
-@contextlib.contextmanager
-def _state_file(path, what: str):
-    """:func:`atomic_output_path`, with the file system's errors as :class:`StateError`."""
-    try:
-        with atomic_output_path(path) as tmp:
-            yield tmp
-    except OSError as exc:
-        raise StateError(f"could not save {what} to {path}: {exc.strerror or exc}") from None
-
-
-def _serialized(method):
-    """Run ``method`` holding the context's lock (see :class:`Context`, "Threads")."""
-    @functools.wraps(method)
-    def locked(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-    return locked
-
-
-class Context:
+class Context(Decoding, Sequences, StateIO, Handle):
     """An inference context (KV cache, logits, threads) on a :class:`Model`.
+
+    ``Context(model, params)`` with a :class:`ContextParams`, or its fields as
+    keywords: ``Context(model, n_ctx=4096, headinfer_gpu_heads_frac=0.5)``
+    (keywords given with ``params`` replace its fields).
 
     ``headinfer_gpu_heads_frac``: fraction of each layer's KV heads kept in
     the layer's (device) buffer; the rest live in host memory (HeadInfer).
-    1.0 = off.  ``headinfer_vram_budget`` (bytes or e.g. "24GiB", instead
-    of a fraction): the fraction is derived from the budget at load time --
-    the largest g whose estimated device total fits (``pyllama_headinfer.plan``; the plan
-    is kept as ``headinfer_plan``).  ``flash_attn``: True / False / None (= llama.cpp's auto).
-    ``kv_unified``/``swa_full``: None keeps llama.cpp's default.
+    Not given: 1.0 = off.  ``headinfer_vram_budget`` (bytes or e.g.
+    "24GiB", instead of a fraction): the fraction is derived from the budget
+    at load time -- the largest g whose estimated device total fits (see
+    :mod:`pyllama_headinfer.vram.plan`; the plan is kept as
+    ``headinfer_plan``). ``headinfer_gpu_heads_frac`` is the fraction used.
+    A fraction < 1 that splits no layer gives a :class:`HeadInferWarning`
+    (with llama.cpp's reasons); one that does, an INFO log line.
 
     Threads: a Context may be shared between threads; its operations are
     serialized by a lock (llama.cpp's context is not thread-safe: two
@@ -131,74 +84,63 @@ class Context:
     ``close()`` it.
     """
 
-    def __init__(self, model: Model, n_ctx: int = 512, n_batch: int = 512, n_ubatch: int = 512,
-                 n_seq_max: int = 1, n_threads: int | None = None, n_threads_batch: int | None = None,
-                 flash_attn: bool | None = True, type_k: str = "f16", type_v: str = "f16",
-                 offload_kqv: bool = True, kv_unified: bool | None = None, swa_full: bool | None = None,
-                 headinfer_gpu_heads_frac: float = 1.0, headinfer_vram_budget=None):
+    _kind = "context"
+
+    def __init__(self, model: Model, params: ContextParams | None = None, **kwargs):
         self._handle = None
         self._batch = None
         self._lock = threading.RLock()
-        frac = check_headinfer_frac(headinfer_gpu_heads_frac)
+        if params is None:
+            params = ContextParams(**kwargs)
+        elif not isinstance(params, ContextParams):
+            raise TypeError(f"params must be a ContextParams, got {params!r} (give n_ctx=... by keyword)")
+        elif kwargs:
+            params = params.replace(**kwargs)
         if not isinstance(model, Model):
             raise TypeError(f"model must be a Model, got {type(model).__name__}")
         mptr = model._ptr()
         ffi, lib = self._ffi, self._lib = model._ffi, model._lib
-        n_ctx = _check_count("n_ctx", n_ctx, 0)
-        n_batch = _check_count("n_batch", n_batch, 1)
-        n_ubatch = _check_count("n_ubatch", n_ubatch, 1)
-        n_seq_max = _check_count("n_seq_max", n_seq_max, 1)
+        self.params = params
+        self.headinfer_plan: Plan | None = None
+        frac = params.frac if params.headinfer_vram_budget is None else self._frac_for_budget(model, params)
+
         p = lib.llama_context_default_params()
-        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, n_batch, n_ubatch, n_seq_max
-        if n_threads is not None:
-            p.n_threads = _check_count("n_threads", n_threads, 1)
-            p.n_threads_batch = p.n_threads
-        if n_threads_batch is not None:
-            p.n_threads_batch = _check_count("n_threads_batch", n_threads_batch, 1)
+        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max
+        if params.n_threads is not None:
+            p.n_threads = p.n_threads_batch = params.n_threads
+        if params.n_threads_batch is not None:
+            p.n_threads_batch = params.n_threads_batch
         p.flash_attn_type = {True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED, False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-                             None: lib.LLAMA_FLASH_ATTN_TYPE_AUTO}[flash_attn]
-        p.type_k = self._kv_type("type_k", type_k)
-        p.type_v = self._kv_type("type_v", type_v)
-        p.offload_kqv = bool(offload_kqv)
-        if kv_unified is not None:
-            p.kv_unified = bool(kv_unified)
-        if swa_full is not None:
-            p.swa_full = bool(swa_full)
-        self.headinfer_plan = None
-        if headinfer_vram_budget is not None:
-            frac = self._frac_for_budget(model, headinfer_vram_budget, frac, n_ctx=n_ctx, n_batch=n_batch,
-                                         n_ubatch=n_ubatch, n_seq_max=n_seq_max, type_k=str(type_k).lower(),
-                                         type_v=str(type_v).lower(), flash_attn=flash_attn, offload_kqv=offload_kqv,
-                                         kv_unified=kv_unified, swa_full=swa_full)
+                             None: lib.LLAMA_FLASH_ATTN_TYPE_AUTO}[params.flash_attn]
+        p.type_k = getattr(lib, f"GGML_TYPE_{params.type_k.upper()}")
+        p.type_v = getattr(lib, f"GGML_TYPE_{params.type_v.upper()}")
+        p.offload_kqv = params.offload_kqv
+        if params.kv_unified is not None:
+            p.kv_unified = params.kv_unified
+        if params.swa_full is not None:
+            p.swa_full = params.swa_full
         p.headinfer_gpu_heads_frac = frac
-        if n_ctx > max(model.n_ctx_train, _HUGE_N_CTX):
-            _check_kv_fits_the_machine(model, ffi, lib, n_ctx=n_ctx, n_seq_max=n_seq_max, type_k=str(type_k).lower(),
-                                       type_v=str(type_v).lower())
-        with bindings.capture_log() as log:
-            ptr = lib.llama_init_from_model(mptr, p)
-        if ptr == ffi.NULL:
-            raise ContextError(f"llama.cpp could not create the context: {_log_tail(log) or 'no reason given'}")
+        if params.n_ctx > max(model.n_ctx_train, _HUGE_N_CTX):
+            _check_kv_fits_the_machine(model, params, ffi, lib)
+        with capture_log() as log:  # also for _report_split: llama.cpp's reasons for not splitting
+            ptr = checked_call(lib.llama_init_from_model, mptr, p, ok=lambda c: c != ffi.NULL,
+                               error=lambda _, reason: ContextError(f"llama.cpp could not create the context: "
+                                                                    f"{reason}"))
         self._handle = ffi.gc(ptr, lib.llama_free)
         self.model = model
         model._contexts.add(self)
         self.headinfer_gpu_heads_frac = frac
         self._mem = lib.llama_get_memory(ptr)
         self.n_ctx = int(lib.llama_n_ctx(ptr))
-        self.n_ctx_requested = n_ctx  # 0 = the model's training context
+        self.n_ctx_requested = params.n_ctx  # 0 = the model's training context
         self.n_ctx_seq = int(lib.llama_n_ctx_seq(ptr))
         self.n_batch = int(lib.llama_n_batch(ptr))
         self.n_ubatch = int(lib.llama_n_ubatch(ptr))
         self.n_seq_max = int(lib.llama_n_seq_max(ptr))
         self.kv_unified = bool(p.kv_unified)  # False with n_seq_max > 1: one KV stream per sequence
-        self.type_k, self.type_v = str(type_k).lower(), str(type_v).lower()
+        self.type_k, self.type_v = params.type_k, params.type_v
         self.n_vocab = model.n_vocab
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
-        self._batch_cap = self.n_batch
-        # what the last decode left in llama.cpp's output buffer
-        self._out_mode = None  # None | "last" | "all" | "none" | "batch"
-        self._out_n = 0  # tokens in the last llama_decode call
-        self._all_logits: np.ndarray | None = None  # "all" over several batches
-        self._out_rows: set = set()  # batch indices with logits after decode_batch()
         if frac < 1.0:
             self._report_split(frac, log)
 
@@ -222,23 +164,12 @@ class Context:
         warnings.warn(f"headinfer_gpu_heads_frac = {frac:g} is ignored: no KV layer was split ({why}); "
                       "the whole KV cache stays in the layers' buffers", HeadInferWarning, stacklevel=3)
 
-    def _describe_n_ctx(self) -> str:
-        """n_ctx for messages, with why it is not what was asked for."""
-        text = f"n_ctx={self.n_ctx}"
-        if self.n_ctx != self.n_ctx_requested and self.n_ctx_requested:
-            text += f": llama.cpp rounds the requested {self.n_ctx_requested} up to a multiple of its padding"
-        if self.n_ctx_seq != self.n_ctx:
-            text += f"; {self.n_ctx_seq} per sequence"
-        return text
-
-    def _frac_for_budget(self, model: Model, budget, frac: float, **params) -> float:
-        """The fraction for ``headinfer_vram_budget`` (see ``pyllama_headinfer.plan.plan_for_context``)."""
-        from ..plan import format_bytes, plan_for_context
-
-        if frac != 1.0:
-            raise ValueError(f"give headinfer_gpu_heads_frac ({frac}) or headinfer_vram_budget ({budget!r}), not both")
-        plan = plan_for_context(model.path, budget, n_gpu_layers=model.n_gpu_layers,
-                                gpu_offload=bool(self._lib.llama_supports_gpu_offload()), **params)
+    def _frac_for_budget(self, model: Model, params: ContextParams) -> float:
+        """The fraction for ``params.headinfer_vram_budget``, planned from the
+        GGUF the model read already (see :func:`~pyllama_headinfer.vram.plan.plan_for_context`)."""
+        budget = params.headinfer_vram_budget
+        plan = plan_for_context(model.gguf, params, n_gpu_layers=model.n_gpu_layers,
+                                gpu_offload=bool(self._lib.llama_supports_gpu_offload()))
         if plan is None:
             logger.warning("headinfer_vram_budget %r ignored: this build has no GPU offload (nothing to budget); "
                            "headinfer_gpu_heads_frac = 1.0", budget)
@@ -250,520 +181,28 @@ class Context:
                     plan.n_head_kv, r.frac, format_bytes(r.device_total), format_bytes(r.host_kv))
         return r.frac
 
-    def _kv_type(self, name: str, value: str):
-        try:
-            return getattr(self._lib, KV_CACHE_TYPES[str(value).lower()])
-        except KeyError:
-            raise ValueError(f"{name} must be one of {sorted(KV_CACHE_TYPES)}, got {value!r}") from None
+    # -- lifetime (Handle) -------------------------------------------------- #
 
-    # -- lifetime ---------------------------------------------------------- #
-
-    def _ptr(self):
-        if self._handle is None:
-            raise ClosedError("the context is closed")
-        return self._handle
-
-    @property
-    def closed(self) -> bool:
-        return self._handle is None
-
-    @_serialized
+    @serialized
     def close(self) -> None:
-        if self._handle is None:
-            return
-        handle, self._handle = self._handle, None
+        super().close()
+
+    def _close_dependents(self) -> None:
         if self._batch is not None:
             batch, self._batch = self._batch, None
             self._lib.llama_batch_free(batch)
         self._all_logits = None
         self._mem = None
-        self._ffi.release(handle)  # runs llama_free now
-        try:
-            self.model._contexts.discard(self)
-        except Exception:
-            pass
-
-    def __enter__(self) -> "Context":
-        self._ptr()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        self.model._contexts.discard(self)
 
     def __repr__(self) -> str:
         if self.closed:
             return "<Context closed>"
         return f"<Context n_ctx={self.n_ctx} headinfer_gpu_heads_frac={self.headinfer_gpu_heads_frac}>"
 
-    # -- sequences --------------------------------------------------------- #
+    # -- HeadInfer ---------------------------------------------------------- #
 
-    def _check_seq(self, seq_id, allow_any: bool = False) -> int:
-        if isinstance(seq_id, bool) or not isinstance(seq_id, numbers.Integral):
-            raise ValueError(f"seq_id must be an int, got {seq_id!r}")
-        if allow_any and seq_id < 0:
-            return -1
-        if not 0 <= seq_id < self.n_seq_max:
-            raise ValueError(f"seq_id {seq_id} is out of range: this context has n_seq_max={self.n_seq_max}")
-        return int(seq_id)
-
-    @_serialized
-    def seq_pos_max(self, seq_id: int = 0) -> int:
-        """Largest position stored for ``seq_id`` (-1 when empty)."""
-        self._ptr()
-        return int(self._lib.llama_memory_seq_pos_max(self._mem, self._check_seq(seq_id)))
-
-    @_serialized
-    def seq_pos_min(self, seq_id: int = 0) -> int:
-        self._ptr()
-        return int(self._lib.llama_memory_seq_pos_min(self._mem, self._check_seq(seq_id)))
-
-    def n_tokens(self, seq_id: int = 0) -> int:
-        """Next position of ``seq_id`` (= tokens decoded so far, without gaps)."""
-        return self.seq_pos_max(seq_id) + 1
-
-    # -- decoding ---------------------------------------------------------- #
-
-    @_serialized
-    def decode(self, tokens: Sequence[int], seq_id: int = 0, logits: str = "last") -> None:
-        """Append ``tokens`` to sequence ``seq_id`` and evaluate them, in chunks
-        of ``n_batch``.  ``logits``: "last" (for the last token), "all" (every
-        token; read with :meth:`logits`) or "none"."""
-        ptr = self._ptr()
-        if logits not in ("last", "all", "none"):
-            raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
-        seq_id = self._check_seq(seq_id)
-        arr = self.model.check_tokens(tokens)
-        n = len(arr)
-        if n == 0:
-            raise ValueError("decode() needs at least one token")
-        pos0 = self.n_tokens(seq_id)
-        if pos0 + n > self.n_ctx_seq:
-            raise ContextOverflowError(f"{n} tokens at position {pos0} do not fit into the context "
-                                       f"({self._describe_n_ctx()})")
-        ffi, lib, batch = self._ffi, self._lib, self._batch
-        self._out_mode, self._out_n, self._all_logits = None, 0, None
-        chunks = range(0, n, self.n_batch)
-        collect = logits == "all" and n > self.n_batch
-        if collect:
-            self._all_logits = np.empty((n, self.n_vocab), dtype=np.float32)
-        for start in chunks:
-            m = min(self.n_batch, n - start)
-            last_chunk = start + m == n
-            np.frombuffer(ffi.buffer(batch.token, m * 4), dtype=np.int32)[:] = arr[start:start + m]
-            np.frombuffer(ffi.buffer(batch.pos, m * 4), dtype=np.int32)[:] = np.arange(
-                pos0 + start, pos0 + start + m, dtype=np.int32)
-            np.frombuffer(ffi.buffer(batch.n_seq_id, m * 4), dtype=np.int32)[:] = 1
-            out = np.frombuffer(ffi.buffer(batch.logits, m), dtype=np.int8)
-            if logits == "all":
-                out[:] = 1
-            else:
-                out[:] = 0
-                if logits == "last" and last_chunk:
-                    out[m - 1] = 1
-            for i in range(m):
-                batch.seq_id[i][0] = seq_id
-            batch.n_tokens = m
-            with bindings.capture_log() as log:
-                rc = int(lib.llama_decode(ptr, batch))
-            if rc != 0:
-                self._out_mode, self._all_logits = None, None
-                raise DecodeError(self._decode_message(rc, start, log), rc)
-            if collect:
-                src = lib.llama_get_logits(ptr)
-                self._all_logits[start:start + m] = np.frombuffer(
-                    ffi.buffer(src, m * self.n_vocab * 4), dtype=np.float32).reshape(m, self.n_vocab)
-            self._out_n = m
-        self._out_mode = logits
-
-    @_serialized
-    def synchronize(self) -> None:
-        """Wait until the device has finished the work of the last decode
-        (llama.cpp may return from ``llama_decode`` before; for timing)."""
-        self._lib.llama_synchronize(self._ptr())
-
-    @_serialized
-    def decode_batch(self, seqs) -> dict[int, int]:
-        """Evaluate tokens of several sequences in one ``llama_batch`` (one
-        ``llama_decode`` call), e.g. parallel generation for several prompts.
-
-        ``seqs``: ``{seq_id: tokens}`` (or ``(seq_id, tokens)`` pairs); each
-        sequence's tokens are appended after its current end.  All tokens
-        together must fit into ``n_batch``.  The last token of every sequence
-        gets logits; returns ``{seq_id: batch index}`` for :meth:`logits` and
-        :meth:`Sampler.sample`.
-        """
-        ptr = self._ptr()
-        items = list(seqs.items()) if hasattr(seqs, "items") else list(seqs)
-        if not items:
-            raise ValueError("decode_batch() needs at least one sequence")
-        plan, seen, total = [], set(), 0
-        for seq_id, tokens in items:
-            seq_id = self._check_seq(seq_id)
-            if seq_id in seen:
-                raise ValueError(f"sequence {seq_id} appears twice in the batch")
-            seen.add(seq_id)
-            arr = self.model.check_tokens(tokens)
-            if len(arr) == 0:
-                raise ValueError(f"decode_batch(): no tokens for sequence {seq_id}")
-            pos0 = self.n_tokens(seq_id)
-            if pos0 + len(arr) > self.n_ctx_seq:
-                raise ContextOverflowError(f"{len(arr)} tokens at position {pos0} of sequence {seq_id} do not "
-                                           f"fit into the context ({self._describe_n_ctx()})")
-            plan.append((seq_id, arr, pos0))
-            total += len(arr)
-        if total > self._batch_cap:
-            raise ValueError(f"decode_batch(): {total} tokens do not fit into one batch (n_batch={self._batch_cap})")
-        ffi, lib, batch = self._ffi, self._lib, self._batch
-        self._out_mode, self._out_n, self._all_logits = None, 0, None
-        tok = np.frombuffer(ffi.buffer(batch.token, total * 4), dtype=np.int32)
-        pos = np.frombuffer(ffi.buffer(batch.pos, total * 4), dtype=np.int32)
-        np.frombuffer(ffi.buffer(batch.n_seq_id, total * 4), dtype=np.int32)[:] = 1
-        out = np.frombuffer(ffi.buffer(batch.logits, total), dtype=np.int8)
-        out[:] = 0
-        rows, i = {}, 0
-        for seq_id, arr, pos0 in plan:
-            m = len(arr)
-            tok[i:i + m] = arr
-            pos[i:i + m] = np.arange(pos0, pos0 + m, dtype=np.int32)
-            for j in range(i, i + m):
-                batch.seq_id[j][0] = seq_id
-            out[i + m - 1] = 1
-            rows[seq_id] = i + m - 1
-            i += m
-        batch.n_tokens = total
-        with bindings.capture_log() as log:
-            rc = int(lib.llama_decode(ptr, batch))
-        if rc != 0:
-            raise DecodeError(self._decode_message(rc, 0, log), rc)
-        self._out_n = total
-        self._out_rows = set(rows.values())
-        self._out_mode = "batch"
-        return rows
-
-    @staticmethod
-    def _decode_message(rc: int, start: int, log) -> str:
-        what = {1: "no KV cache slot for the batch (context full)", 2: "aborted",
-                -1: "invalid input batch"}.get(rc, "llama.cpp error")
-        tail = _log_tail(log)
-        return f"llama_decode returned {rc} ({what}) for the batch at token {start}" + (f": {tail}" if tail else "")
-
-    def _logits_ptr(self, i: int):
-        """Pointer to llama.cpp's logits for batch index ``i`` of the last
-        decode (checked: llama.cpp aborts on some invalid indices)."""
-        ptr = self._ptr()
-        mode = self._out_mode
-        if mode is None or mode == "none":
-            raise ValueError("no logits available: decode tokens with logits='last' or 'all' first")
-        if mode == "last" and i not in (-1, self._out_n - 1):
-            raise IndexError(f"only the last token has logits (decode with logits='all' for more); got index {i}")
-        if mode == "all" and not -self._out_n <= i < self._out_n:
-            raise IndexError(f"logits index {i} out of range for the last batch of {self._out_n} tokens")
-        if mode == "batch" and i not in self._out_rows:
-            raise IndexError(f"no logits for batch index {i}: the last decode_batch() computed logits for "
-                             f"indices {sorted(self._out_rows)}")
-        with bindings.capture_log() as log:
-            p = self._lib.llama_get_logits_ith(ptr, int(i))
-        if p == self._ffi.NULL:
-            raise IndexError(f"no logits for index {i}: {_log_tail(log)}")
-        return p
-
-    @_serialized
-    def logits(self, i: int = -1, copy: bool = True) -> np.ndarray:
-        """Logits (float32, ``n_vocab``) of token ``i`` of the last :meth:`decode`
-        (-1 = last).
-
-        Default: a copy.  ``copy=False`` returns a zero-copy view into
-        llama.cpp's output buffer, which the next decode/state load overwrites
-        and ``close()`` frees -- read it right away, keep the context open.
-        After a ``logits="all"`` decode longer than ``n_batch`` the logits were
-        collected into a Python array and are always returned as copies of it.
-        """
-        if self._all_logits is not None:
-            self._ptr()
-            n = len(self._all_logits)
-            if not -n <= i < n:
-                raise IndexError(f"logits index {i} out of range for the last decode of {n} tokens")
-            return self._all_logits[i].copy()
-        p = self._logits_ptr(i)
-        view = np.frombuffer(self._ffi.buffer(p, self.n_vocab * 4), dtype=np.float32)
-        return view.copy() if copy else view
-
-    @_serialized
-    def sample(self, sampler: Sampler, i: int = -1) -> int:
-        return sampler.sample(self, i)
-
-    def generate(self, prompt_tokens: Sequence[int], max_tokens: int, sampler: Sampler | None = None, *,
-                 seq_id: int = 0, reset: bool = True, stop_at_eog: bool = True) -> Iterator[int]:
-        """Yield up to ``max_tokens`` tokens following ``prompt_tokens`` in ``seq_id``.
-
-        ``reset``: clear the sequence first (default); False appends to it.
-        Stops at an end-of-generation token (yielded) unless ``stop_at_eog`` is
-        False, and when the context is full.  ``sampler`` defaults to greedy.
-        """
-        max_tokens = _check_count("max_tokens", max_tokens, 0)
-        seq_id = self._check_seq(seq_id)
-        prompt = self.model.check_tokens(prompt_tokens)
-        if len(prompt) == 0:
-            raise ValueError("generate() needs a non-empty prompt")
-        own = sampler is None
-        sampler = Sampler.greedy() if own else sampler
-        self._lock.acquire()  # held until the generator ends (see the class docstring, "Threads")
-        try:
-            if reset:
-                self.seq_rm(seq_id)
-            self.decode(prompt, seq_id=seq_id, logits="last")
-            for k in range(max_tokens):
-                tok = sampler.sample(self, -1)
-                yield tok
-                if stop_at_eog and self.model.is_eog(tok):
-                    return
-                if k + 1 == max_tokens:
-                    return
-                if self.n_tokens(seq_id) >= self.n_ctx_seq:
-                    logger.warning("generate: context full (n_ctx=%d), stopping", self.n_ctx)
-                    return
-                self.decode([tok], seq_id=seq_id, logits="last")
-        finally:
-            self._lock.release()
-            if own:
-                sampler.close()
-
-    @_serialized
-    def complete(self, text: str, max_tokens: int = 64, sampler: Sampler | None = None,
-                 add_special: bool = True) -> str:
-        """Generate a continuation of ``text`` and return it as a string."""
-        prompt = self.model.tokenize(text, add_special=add_special)
-        out = [t for t in self.generate(prompt, max_tokens, sampler) if not self.model.is_eog(t)]
-        return self.model.detokenize(out)
-
-    def chat(self, messages, max_tokens: int = 256, sampler: Sampler | None = None,
-             template: str | None = None) -> str:
-        """The assistant's reply to ``messages`` (a chat, formatted by
-        :meth:`Model.apply_chat_template`; the context's sequence 0 is reset)."""
-        prompt = self.model.apply_chat_template(messages, add_generation_prompt=True, template=template)
-        tokens = self.model.tokenize(prompt, add_special=True, parse_special=True)
-        out = [t for t in self.generate(tokens, max_tokens, sampler) if not self.model.is_eog(t)]
-        return self.model.detokenize(out)
-
-    @_serialized
-    def generate_shared(self, prompt_tokens: Sequence[int], n: int, max_tokens: int,
-                        samplers: Sequence[Sampler] | None = None, *, stop_at_eog: bool = True) -> list[list[int]]:
-        """``n`` continuations of one prompt, decoded together.
-
-        The prompt is evaluated once, in sequence 0; sequences 1..n-1 share
-        its KV cells (``seq_cp`` -- no copy in a unified cache), and every
-        step decodes the next token of all unfinished sequences in one batch,
-        so each step's attention reads the shared prefix once for all of them
-        (with HeadInfer: one upload of the host heads per step, not n).
-
-        Needs ``n_seq_max >= n`` and ``kv_unified=True``; ``samplers``: one
-        per sequence (default: greedy for all -- then every continuation is
-        the same, which makes the result easy to check against one sequence).
-        Returns the n token lists; clears sequences 0..n-1 first.
-        """
-        from .shared_prefix import generate_shared
-
-        return generate_shared(self, prompt_tokens, n, max_tokens, samplers, stop_at_eog=stop_at_eog)
-
-    # -- memory (KV cache) ------------------------------------------------- #
-
-    @_serialized
-    def clear(self, data: bool = True) -> None:
-        """Empty the memory (``data``: also zero the buffers)."""
-        self._ptr()
-        self._lib.llama_memory_clear(self._mem, bool(data))
-        self._out_mode, self._all_logits = None, None
-
-    @_serialized
-    def seq_rm(self, seq_id: int = -1, p0: int = -1, p1: int = -1) -> bool:
-        """Remove positions [p0, p1) of ``seq_id`` (-1: any sequence / open
-        range). False if a partial removal is not possible."""
-        self._ptr()
-        return bool(self._lib.llama_memory_seq_rm(self._mem, self._check_seq(seq_id, allow_any=True),
-                                                  int(p0), int(p1)))
-
-    @_serialized
-    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        """Copy positions [p0, p1) of ``src`` into ``dst`` (-1: open range).
-        With one KV stream per sequence (``kv_unified=False``) only whole
-        sequences can be copied (llama.cpp aborts otherwise): ValueError."""
-        self._ptr()
-        src, dst = self._check_seq(src), self._check_seq(dst)
-        if not self.kv_unified and self.n_seq_max > 1 and src != dst and (
-                0 < int(p0) < self.n_ctx_seq - 1 or 0 < int(p1) < self.n_ctx_seq - 1):
-            raise ValueError(f"seq_cp({src}, {dst}, {p0}, {p1}): with kv_unified=False a sequence can only be "
-                             "copied whole (p0 = p1 = -1)")
-        self._lib.llama_memory_seq_cp(self._mem, src, dst, int(p0), int(p1))
-
-    @_serialized
-    def seq_keep(self, seq_id: int) -> None:
-        self._ptr()
-        self._lib.llama_memory_seq_keep(self._mem, self._check_seq(seq_id))
-
-    def _check_shift(self, what: str) -> None:
-        if not self._lib.llama_memory_can_shift(self._mem):
-            raise ContextError(f"{what}: this context's memory does not support position shifts")
-        if self.type_k == "bf16":
-            # the K-shift applies RoPE to the cache in place; ggml's RoPE has no BF16 kernel (it aborts)
-            raise ContextError(f"{what}: a K-shift of a bf16 K cache is not supported by llama.cpp at this "
-                               "version (RoPE has no BF16 kernel); use type_k='f16'")
-
-    @_serialized
-    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
-        """Add ``delta`` to the positions in [p0, p1) of ``seq_id``."""
-        self._ptr()
-        seq_id = self._check_seq(seq_id)
-        self._check_shift("seq_add")
-        self._lib.llama_memory_seq_add(self._mem, seq_id, int(p0), int(p1), int(delta))
-
-    @_serialized
-    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
-        """Integer-divide the positions in [p0, p1) of ``seq_id`` by ``d`` (>= 1)."""
-        self._ptr()
-        seq_id = self._check_seq(seq_id)
-        if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1:
-            raise ValueError(f"seq_div: d must be an int >= 1, got {d!r}")
-        if d == 1:
-            return
-        self._check_shift("seq_div")
-        self._lib.llama_memory_seq_div(self._mem, seq_id, int(p0), int(p1), int(d))
-
-    # -- state ------------------------------------------------------------- #
-
-    def _discard_failed_load(self, seq_id: int) -> None:
-        """After a failed load: empty the memory (seq_id -1) or the sequence.
-
-        llama.cpp may stop reading a state part-way (a truncated file, a
-        state from another model) with some cells already restored; what is
-        left must not be mistaken for a valid cache, so the load ends as a
-        cleared context (or sequence) would be.
-        """
-        if seq_id < 0:
-            self._lib.llama_memory_clear(self._mem, True)
-        else:
-            self._lib.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
-
-    # At this pin a state holds the memory (KV cache) only, not the logits: after
-    # loading one, decode the next token to get logits (or save the state one
-    # token early and decode the last prompt token after loading).
-
-    @_serialized
-    def save_state(self) -> bytes:
-        """The context's state (the KV cache contents; no logits) as bytes."""
-        ptr, ffi, lib = self._ptr(), self._ffi, self._lib
-        size = int(lib.llama_state_get_size(ptr))
-        buf = ffi.new("uint8_t[]", max(size, 1))
-        n = int(lib.llama_state_get_data(ptr, buf, size))
-        if n == 0 and size:
-            raise StateError("llama_state_get_data failed")
-        return ffi.buffer(buf, n)[:]
-
-    @_serialized
-    def load_state(self, data: bytes) -> None:
-        """Restore a state from :meth:`save_state` (same model and context setup)."""
-        ptr, ffi = self._ptr(), self._ffi
-        data = bytes(data)
-        if not data:
-            raise StateError("empty state data")
-        with bindings.capture_log() as log:
-            n = int(self._lib.llama_state_set_data(ptr, ffi.from_buffer("uint8_t[]", data), len(data)))
-        self._out_mode, self._all_logits, self._out_n = None, None, 0
-        if n == 0:
-            self._discard_failed_load(-1)
-            raise StateError(f"llama.cpp rejected the state data: {_log_tail(log) or 'no reason given'}")
-
-    @_serialized
-    def save_seq_state(self, seq_id: int = 0) -> bytes:
-        ptr, ffi, lib = self._ptr(), self._ffi, self._lib
-        seq_id = self._check_seq(seq_id)
-        size = int(lib.llama_state_seq_get_size(ptr, seq_id))
-        buf = ffi.new("uint8_t[]", max(size, 1))
-        n = int(lib.llama_state_seq_get_data(ptr, buf, size, seq_id))
-        return ffi.buffer(buf, n)[:]
-
-    @_serialized
-    def load_seq_state(self, data: bytes, seq_id: int = 0) -> None:
-        ptr, ffi = self._ptr(), self._ffi
-        seq_id = self._check_seq(seq_id)
-        data = bytes(data)
-        if not data:
-            raise StateError("empty state data")
-        with bindings.capture_log() as log:
-            n = int(self._lib.llama_state_seq_set_data(ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq_id))
-        self._out_mode, self._all_logits = None, None
-        if n == 0:
-            self._discard_failed_load(seq_id)
-            raise StateError(f"llama.cpp rejected the sequence state: {_log_tail(log) or 'no reason given'}")
-
-    @_serialized
-    def save_state_file(self, path: str | os.PathLike, tokens: Sequence[int]) -> None:
-        """Save the state and ``tokens`` (e.g. the prompt) to ``path``.
-
-        Written to a temporary file beside ``path`` and renamed when complete:
-        a failed save (full disk) leaves ``path`` as it was."""
-        ptr, ffi = self._ptr(), self._ffi
-        arr = self.model.check_tokens(tokens)
-        toks = ffi.from_buffer("llama_token[]", arr) if arr.size else ffi.NULL
-        with _state_file(path, "the state") as tmp, bindings.capture_log() as log:
-            ok = self._lib.llama_state_save_file(ptr, os.fsencode(tmp), toks, len(arr))
-            if not ok:
-                raise StateError(f"could not save the state to {path}: {_log_tail(log) or 'no reason given'}")
-
-    @_serialized
-    def load_state_file(self, path: str | os.PathLike) -> list[int]:
-        """Restore a state saved by :meth:`save_state_file`; return its tokens."""
-        ptr, ffi = self._ptr(), self._ffi
-        path = os.fspath(path)
-        if not os.path.exists(path):
-            raise FileNotFoundError(errno.ENOENT, "state file not found", path)
-        cap = self.n_ctx
-        out = ffi.new("llama_token[]", max(cap, 1))
-        n_out = ffi.new("size_t *")
-        with bindings.capture_log() as log:
-            ok = self._lib.llama_state_load_file(ptr, os.fsencode(path), out, cap, n_out)
-        self._out_mode, self._all_logits, self._out_n = None, None, 0
-        if not ok:
-            self._discard_failed_load(-1)
-            raise StateError(f"could not load the state from {path}: {_log_tail(log) or 'no reason given'}")
-        return list(out[0:int(n_out[0])])
-
-    @_serialized
-    def save_seq_state_file(self, path: str | os.PathLike, seq_id: int = 0, tokens: Sequence[int] = ()) -> int:
-        """Save sequence ``seq_id``'s state and ``tokens`` to ``path``
-        (``llama_state_seq_save_file``); returns the bytes written."""
-        ptr, ffi = self._ptr(), self._ffi
-        seq_id = self._check_seq(seq_id)
-        arr = self.model.check_tokens(tokens)
-        toks = ffi.from_buffer("llama_token[]", arr) if arr.size else ffi.NULL
-        with _state_file(path, f"sequence {seq_id}") as tmp, bindings.capture_log() as log:
-            n = int(self._lib.llama_state_seq_save_file(ptr, os.fsencode(tmp), seq_id, toks, len(arr)))
-            if n == 0:
-                raise StateError(f"could not save sequence {seq_id} to {path}: {_log_tail(log) or 'no reason given'}")
-        return n
-
-    @_serialized
-    def load_seq_state_file(self, path: str | os.PathLike, seq_id: int = 0) -> list[int]:
-        """Restore a sequence saved by :meth:`save_seq_state_file` into
-        ``seq_id`` (replacing it); return its tokens."""
-        ptr, ffi = self._ptr(), self._ffi
-        seq_id = self._check_seq(seq_id)
-        path = os.fspath(path)
-        if not os.path.exists(path):
-            raise FileNotFoundError(errno.ENOENT, "sequence state file not found", path)
-        cap = self.n_ctx
-        out = ffi.new("llama_token[]", max(cap, 1))
-        n_out = ffi.new("size_t *")
-        with bindings.capture_log() as log:
-            n = int(self._lib.llama_state_seq_load_file(ptr, os.fsencode(path), seq_id, out, cap, n_out))
-        self._out_mode, self._all_logits, self._out_n = None, None, 0
-        if n == 0:
-            self._discard_failed_load(seq_id)
-            raise StateError(f"could not load sequence state from {path}: {_log_tail(log) or 'no reason given'}")
-        return list(out[0:int(n_out[0])])
-
-    # -- HeadInfer --------------------------------------------------------- #
-
-    @_serialized
+    @serialized
     def kv_residency(self) -> dict | None:
         """Where the KV cache's bytes live, as allocated by llama.cpp
         (``llama_memory_get_kv_buffers`` / ``_layers``; nothing is recomputed here)::

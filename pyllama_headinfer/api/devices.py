@@ -19,8 +19,9 @@ from __future__ import annotations
 import socket
 from typing import NamedTuple, Sequence
 
-from .. import bindings
-from ..errors import HeadInferError
+from pyllama_headinfer.runtime import bindings
+from pyllama_headinfer.errors import HeadInferError
+from pyllama_headinfer.runtime.log import checked_call
 
 
 class DeviceInfo(NamedTuple):
@@ -108,11 +109,8 @@ def rpc_add_server(endpoint: str) -> list[str]:
     ffi, lib = bindings.load()
     add = _rpc_proc("ggml_backend_rpc_add_server", "ggml_backend_reg_t (*)(const char *)")
     _check_reachable(endpoint)
-    with bindings.capture_log() as log:
-        reg = add(str(endpoint).encode())
-    if reg == ffi.NULL:
-        raise HeadInferError(f"could not add the RPC server {endpoint}: "
-                             + ("; ".join(text.strip() for _, text in log) or "no reason given"))
+    reg = checked_call(add, str(endpoint).encode(), ok=lambda r: r != ffi.NULL,
+                       error=lambda _, reason: HeadInferError(f"could not add the RPC server {endpoint}: {reason}"))
     lib.ggml_backend_register(reg)  # into the global device list, as llama.cpp's --rpc does
     return [ffi.string(lib.ggml_backend_dev_name(lib.ggml_backend_reg_dev_get(reg, i))).decode()
             for i in range(int(lib.ggml_backend_reg_dev_count(reg)))]

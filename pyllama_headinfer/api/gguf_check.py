@@ -2,14 +2,14 @@
 metadata and tensor index in Python, so a truncated or corrupt file raises
 :class:`ModelError` instead of reaching (and crashing) llama.cpp.
 
-The walk itself is :func:`pyllama_headinfer.gguf_meta.read_gguf`, the
+The walk itself is :func:`pyllama_headinfer.vram.gguf.read_gguf`, the
 package's one GGUF reader (the VRAM plan reads its model facts with it too)."""
 
 from __future__ import annotations
 
 import os
 
-from ..gguf_meta import read_gguf
+from pyllama_headinfer.vram.gguf import read_gguf
 
 
 def check_gguf(path: str | os.PathLike) -> dict:

@@ -12,15 +12,17 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .. import bindings
-from ..errors import HeadInferError
-from .exceptions import ClosedError, ModelError, TokenError, _log_tail
-from .gguf_check import check_gguf
+from pyllama_headinfer.api.chat import apply_chat_template
+from pyllama_headinfer.api.handle import Handle
+from pyllama_headinfer.errors import HeadInferError, ModelError, TokenError
+from pyllama_headinfer.runtime import bindings
+from pyllama_headinfer.runtime.log import checked_call
+from pyllama_headinfer.vram.gguf import read_gguf
 
 FLT_MAX = float(np.finfo(np.float32).max)  # the shares are C floats
 
 
-class Model:
+class Model(Handle):
     """A GGUF model loaded by llama.cpp.
 
     ``n_gpu_layers``: layers to offload (-1 = all; 0 = CPU only).
@@ -44,7 +46,7 @@ class Model:
             raise IsADirectoryError(errno.EISDIR, "model path is a directory", str(path))
         if not isinstance(n_gpu_layers, numbers.Integral):
             raise TypeError(f"n_gpu_layers must be an int, got {n_gpu_layers!r}")
-        check_gguf(path)
+        self.gguf = read_gguf(path)  # the pre-flight check: a corrupt file is a ModelError, not a crash
         self.path = path
         self.n_gpu_layers = int(n_gpu_layers)  # where the layers are: HeadInfer's VRAM budget plan needs it
         ffi, lib = self._ffi, self._lib = bindings.load()
@@ -54,11 +56,9 @@ class Model:
             else lib.LLAMA_LOAD_MODE_NONE
         params.vocab_only = bool(vocab_only)
         keep = self._set_placement(params, devices, split_mode, tensor_split)  # alive until the load returns
-        with bindings.capture_log() as log:
-            ptr = lib.llama_model_load_from_file(os.fsencode(path), params)
+        ptr = checked_call(lib.llama_model_load_from_file, os.fsencode(path), params, ok=lambda p: p != ffi.NULL,
+                           error=lambda _, reason: ModelError(f"llama.cpp could not load {path}: {reason}"))
         del keep  # llama.cpp has copied what the device / split arrays said
-        if ptr == ffi.NULL:
-            raise ModelError(f"llama.cpp could not load {path}: {_log_tail(log) or 'no reason given'}")
         self._handle = ffi.gc(ptr, lib.llama_model_free)
         self._vocab = lib.llama_model_get_vocab(ptr)
         self.n_vocab: int = int(lib.llama_vocab_n_tokens(self._vocab))
@@ -89,39 +89,19 @@ class Model:
             keep.append(ffi.new("float[]", shares + [0.0] * (n_all - len(shares))))
             params.tensor_split = keep[-1]
         if devices is not None:
-            from .devices import device_handles
+            from pyllama_headinfer.api.devices import device_handles
 
             keep.append(device_handles(list(devices)))
             params.devices = keep[-1]
         return keep
 
-    # -- lifetime ---------------------------------------------------------- #
+    # -- lifetime (Handle) -------------------------------------------------- #
 
-    def _ptr(self):
-        if self._handle is None:
-            raise ClosedError("the model is closed")
-        return self._handle
-
-    @property
-    def closed(self) -> bool:
-        return self._handle is None
-
-    def close(self) -> None:
-        """Free the model (and first every context still open on it)."""
-        if self._handle is None:
-            return
+    def _close_dependents(self) -> None:
+        """Closing a model closes every context still open on it first."""
         for ctx in list(self._contexts):
             ctx.close()
-        handle, self._handle = self._handle, None
         self._vocab = None
-        self._ffi.release(handle)  # runs llama_model_free now
-
-    def __enter__(self) -> "Model":
-        self._ptr()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"n_vocab={self.n_vocab}"
@@ -194,8 +174,6 @@ class Model:
         """The prompt for ``messages`` (``[{"role": "user", "content": "..."}, ...]``) in this
         model's chat format, by llama.cpp's ``llama_chat_apply_template``; ``template``: a
         known name ("chatml", "llama3", ...) or template text for models without one."""
-        from .chat import apply_chat_template
-
         return apply_chat_template(self, messages, add_generation_prompt, template)
 
     def is_eog(self, token: int) -> bool:

@@ -5,8 +5,8 @@ table; :data:`HEADINFER_HOST_SUFFIX` marks the host halves of split layers."""
 
 from __future__ import annotations
 
-from .. import bindings
-from ..errors import HeadInferError
+from pyllama_headinfer.runtime.manifest import rebuild_hint
+from pyllama_headinfer.errors import HeadInferError
 
 HEADINFER_HOST_SUFFIX = " (headinfer host)"
 
@@ -16,7 +16,7 @@ def read_kv_residency(ptr, ffi, lib) -> dict | None:
     (see there for its shape)."""
     if not lib.pyllama_has_kv_residency():
         raise HeadInferError("this libllama has no llama_memory_get_kv_buffers (built without the "
-                             "HeadInfer patch series?); " + bindings.rebuild_hint())
+                             "HeadInfer patch series?); " + rebuild_hint())
     mem = lib.llama_get_memory(ptr)
     n = int(lib.llama_memory_get_kv_buffers(mem, ffi.NULL, 0))
     if n < 0:
@@ -75,3 +75,16 @@ def format_kv_residency(report: dict | None) -> str:
             tag = " swa" if x["is_swa"] else ""
             lines.append(f"    layer {x['il']:3d}: {x['n_head_resident']}/{x['n_head_kv']} heads resident{tag}")
     return "\n".join(lines)
+
+
+def split_summary(report: dict | None) -> str:
+    """One line on the split llama.cpp made, from a residency report: how many
+    attention layers keep only part of their KV heads in their own buffer."""
+    if report is None:
+        return "no attention KV cache"
+    layers = report["layers"]
+    split = [x for x in layers if x["n_head_resident"] < x["n_head_kv"]]
+    if not split:
+        return f"0 of {len(layers)} layers split"  # why: the HeadInferWarning Context gave
+    heads = sorted({f"{x['n_head_resident']}/{x['n_head_kv']}" for x in split})
+    return f"{len(split)} of {len(layers)} layers split ({', '.join(heads)} KV heads in the layer's own buffer)"

@@ -5,17 +5,13 @@ min-p / temperature / seeded dist), which picks a token from a
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
-from .. import bindings
-from ..errors import HeadInferError
-from .exceptions import ClosedError
-
-if TYPE_CHECKING:  # Sampler.sample() takes a Context; context.py imports this module
-    from .context import Context
+from pyllama_headinfer.api.handle import Handle
+from pyllama_headinfer.errors import HeadInferError
+from pyllama_headinfer.runtime import bindings
 
 
-class Sampler:
+class Sampler(Handle):
     """A llama.cpp sampler chain.
 
     ``Sampler.greedy()``, ``Sampler.random(temperature=.., top_k=.., top_p=..,
@@ -26,6 +22,7 @@ class Sampler:
     """
 
     _SELECTING = ("greedy", "dist")
+    _kind = "sampler"
 
     def __init__(self, *, no_perf: bool = True):
         ffi, lib = self._ffi, self._lib = bindings.load()
@@ -64,11 +61,6 @@ class Sampler:
         if temperature is None or temperature <= 0:
             return cls.greedy()
         return cls.random(temperature, top_k, top_p, min_p, seed)
-
-    def _ptr(self):
-        if self._handle is None:
-            raise ClosedError("the sampler is closed")
-        return self._handle
 
     def _add(self, name: str, ptr) -> "Sampler":
         chain = self._ptr()
@@ -114,8 +106,10 @@ class Sampler:
         """The seed the dist stage actually uses (None without one)."""
         return self._seed
 
-    def sample(self, ctx: "Context", idx: int = -1) -> int:
-        """Sample a token from ``ctx``'s logits at ``idx`` (and accept it)."""
+    def sample(self, ctx, idx: int = -1) -> int:
+        """Sample a token from the logits of ``ctx`` (a :class:`Context`; this
+        module does not import it: the context imports the sampler) at
+        ``idx``, and accept it."""
         chain = self._ptr()
         if not self.stages or self.stages[-1] not in self._SELECTING:
             raise ValueError("the sampler chain does not end with a selecting stage (greedy or dist)")
@@ -128,17 +122,6 @@ class Sampler:
 
     def reset(self) -> None:
         self._lib.llama_sampler_reset(self._ptr())
-
-    def close(self) -> None:
-        if self._handle is not None:
-            handle, self._handle = self._handle, None
-            self._ffi.release(handle)
-
-    def __enter__(self) -> "Sampler":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<Sampler {' -> '.join(self.stages) or '(empty)'}{' closed' if self._handle is None else ''}>"

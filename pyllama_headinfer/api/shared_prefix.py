@@ -15,11 +15,11 @@ from __future__ import annotations
 import numbers
 from typing import Sequence
 
+from pyllama_headinfer.api.sampler import Sampler
+
 
 def generate_shared(ctx, prompt_tokens: Sequence[int], n: int, max_tokens: int, samplers=None, *,
                     stop_at_eog: bool = True) -> list[list[int]]:
-    from .sampler import Sampler
-
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= ctx.n_seq_max:
         raise ValueError(f"n must be an int in [1, n_seq_max={ctx.n_seq_max}], got {n!r}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 0:

@@ -1,0 +1,205 @@
+"""``pyllama-headinfer build``: configure and compile the patched llama.cpp.
+
+Steps (see docs/BUILD.md for the user's view):
+
+1. plan: backend (CUDA when nvcc *and* a GPU are there, or when asked),
+   CMake options, configuration key and build directory;
+2. take ``<build_dir>/.lock`` (one build per directory at a time);
+3. get the verified pinned tree and apply the patch series (both atomic);
+4. configure with CMake + Ninja, only when the directory has not been
+   configured with exactly these options and this source tree;
+5. ``ninja <library targets>`` with a progress display; the full log is
+   ``<build_dir>/build.log``;
+6. compile the cffi bindings and write
+   ``<build_dir>/manifest.json``, which is how the bindings find the libraries.
+
+Where the code lives (this module: :func:`build`, which runs the steps in
+order, the free-space check and the closing report):
+
+- :mod:`.plan` (step 1): :class:`~.plan.BuildPlan`, :func:`~.plan.plan_build`,
+  ``-D`` options, CUDA detection, configuration keys, build directories;
+- :mod:`.lock` (step 2): :func:`~.lock.build_lock`;
+- :mod:`.series_swap` (step 3): the patched tree, swapping an older applied
+  series for the current one;
+- :mod:`.steps` (steps 4-6): running CMake and ninja, when to configure
+  again, the library targets, a failed step's error, the cffi bindings;
+- :mod:`.extension` (step 6): compiling the cffi module against llama.h
+  (declarations in ``decl/``);
+- :mod:`.record` (step 6): what ``manifest.json`` records (the runtime reads
+  it with :mod:`pyllama_headinfer.runtime.manifest`);
+- :mod:`.toolchain`: finding cmake, ninja, the compilers, nvcc and the GPUs;
+- :mod:`.progress`: the progress display and the causes of failures.
+
+The ``build`` command is :mod:`pyllama_headinfer.cli.build`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Mapping, Optional, Sequence
+
+from pyllama_headinfer.build import toolchain
+from pyllama_headinfer import pin
+from pyllama_headinfer.build.lock import build_lock
+from pyllama_headinfer.build.plan import plan_build
+from pyllama_headinfer.build.steps import (STATE_NAME, bindings_fingerprint, build_bindings, configure_if_needed,
+                                           configured_tools, configured_with_tools, interrupted_error, library_targets,
+                                           phony_outputs, run_ninja, select_targets)
+from pyllama_headinfer.errors import BuildError
+from pyllama_headinfer.build.record import manifest_record, write_json
+from pyllama_headinfer.runtime.manifest import MANIFEST_NAME, read_json
+from pyllama_headinfer.build.progress import NINJA_STATUS
+# _build calls prepare_source through this module's namespace, so replacing
+# build.prepare_source (as the tests do) replaces the source step.
+from pyllama_headinfer.build.series_swap import prepare_source
+
+LOG_NAME = "build.log"
+
+# Free space required before starting (measured: the CPU library build takes
+# ~20 MB, with --tools ~300 MB; CUDA objects are far larger).
+GIB = 1024 ** 3
+SPACE_FRESH_CPU = 1 * GIB
+SPACE_FRESH_CUDA = 4 * GIB
+SPACE_INCREMENTAL = GIB // 4
+
+
+# --------------------------------------------------------------------------
+# the build
+
+
+@dataclass
+class BuildResult:
+    build_dir: Path
+    manifest: dict
+    up_to_date: bool  # ninja had nothing to do and CMake did not run
+    configured: bool  # CMake configure ran in this call
+    steps: int  # ninja steps run
+    seconds: float
+
+
+def build(*, llama_src: Optional[os.PathLike] = None, allow_unverified: bool = False,
+          build_dir: Optional[os.PathLike] = None, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
+          cmake_args: Sequence[str] = (), sanitize: Optional[str] = None, build_type: Optional[str] = None,
+          tools: Optional[bool] = None, jobs: Optional[int] = None, wait: bool = True, fresh: bool = False,
+          bindings: bool = True, verbose: bool = False, out: Optional[IO[str]] = None,
+          env: Optional[Mapping[str, str]] = None) -> BuildResult:
+    """Builds the patched llama.cpp; returns where and what (see the module docstring).
+
+    Raises :class:`BuildError` (or another :class:`HeadInferError`) with a
+    one-paragraph message on every expected failure, :class:`BuildInterrupted`
+    on Ctrl-C.
+    """
+    out = out or sys.stderr
+
+    def say(msg: str = "") -> None:
+        out.write(msg + "\n")
+        out.flush()
+
+    try:
+        return _build(say, out, llama_src=llama_src, allow_unverified=allow_unverified, build_dir=build_dir,
+                      cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
+                      build_type=build_type, tools=tools, jobs=jobs, wait=wait, fresh=fresh,
+                      bindings=bindings, verbose=verbose, env=env)
+    except KeyboardInterrupt:
+        raise interrupted_error() from None
+
+
+def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch, cmake_args, sanitize,
+           build_type, tools, jobs, wait, fresh, bindings, verbose, env) -> BuildResult:
+    start = time.monotonic()
+    plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
+                      build_type=build_type, tools=bool(tools), build_dir=build_dir, env=env)
+    if tools is None and configured_with_tools(plan.build_dir):
+        # a plain `build` keeps what the directory was asked to build before (dropping the tools
+        # would make the next `build --tools` recompile them all)
+        say("Keeping llama-cli, llama-server and llama-bench: this directory was built with --tools "
+            "(--no-tools removes them).")
+        plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
+                          build_type=build_type, tools=True, build_dir=build_dir, env=env)
+    elif tools is False and configured_with_tools(plan.build_dir):
+        say("Removing llama-cli, llama-server and llama-bench from this directory's configuration (--no-tools).")
+    for note in plan.notes:
+        say(note)
+    d = plan.build_dir
+    prefer_cmake, prefer_ninja = (None, None) if fresh else configured_tools(d)
+    minimum = toolchain.CMAKE_MIN_CUDA if plan.backend == "cuda" else toolchain.CMAKE_MIN_CPU
+    cmake = toolchain.find_cmake(minimum, prefer=prefer_cmake)
+    ninja = toolchain.find_ninja(prefer=prefer_ninja)
+    toolchain.check_compilers(plan.options)
+
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BuildError(f"Cannot create the build directory {d}: {exc}") from None
+    lock_start = time.monotonic()
+    with build_lock(d, wait=wait, say=say):
+        waited = time.monotonic() - lock_start
+        start += waited  # report the work, not the wait for another build
+        check_disk(d, not (d / "build.ninja").exists(), plan.backend == "cuda")
+        source_tree, series_hash = prepare_source(llama_src, allow_unverified, say)
+        say(f"llama.cpp {pin.LLAMA_CPP_BUILD} ({pin.LLAMA_CPP_COMMIT[:12]}) + HeadInfer series "
+            f"{series_hash[:12]} -> {d} [{plan.key}, {plan.build_type}]")
+
+        previous_manifest = read_json(d / MANIFEST_NAME)
+        (d / MANIFEST_NAME).unlink(missing_ok=True)  # a failed build leaves no manifest
+        log_path = d / LOG_NAME
+        run_env = dict(os.environ if env is None else env)
+        run_env["NINJA_STATUS"] = NINJA_STATUS
+        echo = out if verbose else None
+        with open(log_path, "w", encoding="utf-8") as log:
+            configured = configure_if_needed(plan, source_tree, cmake, ninja, fresh, log, log_path, run_env,
+                                              echo, say)
+            state = read_json(d / STATE_NAME) or {}
+            phonies = phony_outputs(d)
+            libs = library_targets(phonies)
+            targets = select_targets(d, phonies, libs, plan.tools, log_path, say)
+            steps, no_work = run_ninja(d, ninja, targets, jobs, log, log_path, run_env, echo, out, say)
+
+        up_to_date = no_work and not configured
+        manifest = manifest_record(plan, source_tree, series_hash, cmake, ninja, state.get("argv", []), phonies, libs,
+                             time.monotonic() - start, up_to_date, steps)
+        if bindings:
+            fingerprint = bindings_fingerprint(source_tree, series_hash)
+            manifest["bindings"] = build_bindings(plan, source_tree, d / "bin", previous_manifest,
+                                                   not no_work, fingerprint, say)
+            manifest["bindings_fingerprint"] = fingerprint if manifest["bindings"] else None
+        manifest["duration_s"] = round(time.monotonic() - start, 2)
+        write_json(d / MANIFEST_NAME, manifest)
+
+    seconds = time.monotonic() - start
+    _report(say, d, manifest, waited=waited, no_work=no_work, configured=configured, steps=steps, seconds=seconds)
+    return BuildResult(d, manifest, up_to_date, configured, steps, seconds)
+
+
+def check_disk(build_dir: Path, fresh_build: bool, cuda: bool) -> None:
+    need = (SPACE_FRESH_CUDA if cuda else SPACE_FRESH_CPU) if fresh_build else SPACE_INCREMENTAL
+    probe = build_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise BuildError(
+            f"Not enough disk space for the build in {build_dir}: {free / GIB:.2f} GiB free, "
+            f"about {need / GIB:.2f} GiB needed. Free some space or choose another --build-dir."
+        )
+
+
+def _report(say, d: Path, manifest: dict, *, waited: float, no_work: bool, configured: bool, steps: int,
+            seconds: float) -> None:
+    if waited >= 1:
+        say(f"(Waited {_fmt_seconds(waited)} for the other build of {d}.)")
+    if no_work:
+        again = " (CMake configured again)" if configured else ""
+        say(f"Up to date: nothing to compile{again} ({_fmt_seconds(seconds)}). Manifest: {d / MANIFEST_NAME}")
+    else:
+        names = ", ".join(os.path.basename(p) for p in manifest["libraries"].values())
+        say(f"Built {names} in {_fmt_seconds(seconds)} ({steps} steps). Manifest: {d / MANIFEST_NAME}")
+
+
+def _fmt_seconds(s: float) -> str:
+    return f"{s:.1f} s" if s < 60 else f"{int(s // 60)} min {int(s % 60):02d} s"

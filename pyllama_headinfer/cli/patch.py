@@ -1,0 +1,58 @@
+"""``pyllama-headinfer patch check|apply|revert|status|export``: the patch
+manager (:mod:`pyllama_headinfer.patches`) on a llama.cpp tree."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pyllama_headinfer import paths
+from pyllama_headinfer.errors import EXIT_FAILURE, EXIT_OK, UsageError
+from pyllama_headinfer.patches.apply import apply, revert
+from pyllama_headinfer.patches.check import check
+from pyllama_headinfer.patches.export import export
+from pyllama_headinfer.patches.status import State, status
+from pyllama_headinfer.series import series_dir
+from pyllama_headinfer.source.fetch import LLAMA_SRC_ENV, locate_tree
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="patch_action", metavar="ACTION")
+    actions.required = True
+    helps = {
+        "check": "report, per patch and per failing hunk, whether the series applies (read-only)",
+        "apply": "apply the whole series (all or nothing; no-op if already applied)",
+        "revert": "undo the series and verify the tree is the pristine pin",
+        "status": "PRISTINE, APPLIED, PARTIAL or MODIFIED (exit 1 for the last two)",
+        "export": "rewrite the series from a git checkout's commits on top of the pin",
+    }
+    for name, text in helps.items():
+        sub = actions.add_parser(name, help=text, description=text)
+        target = "the git checkout to export from" if name == "export" else "the llama.cpp tree"
+        sub.add_argument("--llama-src", metavar="PATH", help=f"{target} (default: the cached tree)")
+        sub.add_argument("--patches-dir", metavar="DIR", help=f"series directory (default: {paths.patches_dir()})")
+        if name == "export":
+            sub.add_argument("--base", metavar="COMMIT",
+                             help="the commit the series starts from (default: the pin, or the commit with its tree)")
+
+
+def run(args: argparse.Namespace) -> int:
+    action = args.patch_action
+    if action == "export":
+        if not args.llama_src and not os.environ.get(LLAMA_SRC_ENV):
+            raise UsageError("export needs --llama-src: a git checkout whose commits on top of the pin are the series")
+        names = export(locate_tree(args.llama_src), args.patches_dir, base=args.base)
+        print(f"exported {len(names)} patches to {series_dir(args.patches_dir)}")
+        return EXIT_OK
+    tree = locate_tree(args.llama_src)
+    if action == "status":
+        report = status(tree, args.patches_dir)
+        print(f"{tree}: {report.describe()}")
+        return EXIT_OK if report.state in (State.PRISTINE, State.APPLIED) else EXIT_FAILURE
+    if action == "check":
+        report = check(tree, args.patches_dir)
+        print(report.describe())
+        return EXIT_OK if report.ok else EXIT_FAILURE
+    change = apply(tree, args.patches_dir) if action == "apply" else revert(tree, args.patches_dir)
+    print(change.message)
+    return EXIT_OK

@@ -1,0 +1,189 @@
+"""The parameters of a context, checked once: :class:`ContextParams`, used by
+:class:`pyllama_headinfer.api.context.Context`, the VRAM planner
+(:mod:`pyllama_headinfer.vram.plan`) and the commands alike; the KV cache
+types (:data:`KV_CACHE_TYPES`); sizes like ``"24GiB"`` (:func:`parse_size`).
+
+Nothing here touches llama.cpp: a :class:`ContextParams` is plain data, valid
+by construction (a bad value raises ``ValueError`` naming it), so the same
+check answers for the API and the command line before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from dataclasses import dataclass, fields, replace
+from typing import Optional, Union
+
+from pyllama_headinfer.errors import UsageError
+
+# The KV cache types llama.cpp accepts for type_k / type_v (the ggml type of
+# each is GGML_TYPE_<NAME.upper()>; the planner's byte sizes come from gguf's
+# GGMLQuantizationType[<NAME.upper()>]).
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+
+Size = Union[int, float, str]
+
+
+# --------------------------------------------------------------------------- #
+# sizes
+# --------------------------------------------------------------------------- #
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value) -> int:
+    """Bytes from an int/float or a string like ``"24GiB"``, ``"24 GB"``,
+    ``"512M"``, ``"1e9"`` is not accepted. KiB/MiB/GiB/TiB and the bare
+    K/M/G/T are binary (2**10 ...), KB/MB/GB/TB decimal; no unit = bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"a size must be bytes or a string like '24GiB', got {value!r}")
+    if isinstance(value, numbers.Integral):
+        n = int(value)
+    elif isinstance(value, numbers.Real):
+        if not math.isfinite(value):
+            raise ValueError(f"a size must be finite, got {value!r}")
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _UNITS:
+            raise ValueError(f"cannot read {value!r} as a size: use bytes or a number with a unit "
+                             "(KiB, MiB, GiB, TiB, K, M, G, T = binary; KB, MB, GB, TB = decimal)")
+        n = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise ValueError(f"a size must be bytes or a string like '24GiB', got {value!r}")
+    if n <= 0:
+        raise ValueError(f"a size must be positive, got {value!r}")
+    return n
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    if n < 2**10:
+        return f"{n} B"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"  # pragma: no cover
+
+
+# --------------------------------------------------------------------------- #
+# checks
+# --------------------------------------------------------------------------- #
+
+def check_headinfer_frac(frac) -> float:
+    """``frac`` as a float in [0, 1]; ValueError naming the value otherwise (NaN, out of range, not a number)."""
+    if isinstance(frac, bool) or not isinstance(frac, numbers.Real):
+        raise ValueError(f"headinfer_gpu_heads_frac must be a number in [0, 1], got {frac!r}")
+    f = float(frac)
+    if math.isnan(f) or not 0.0 <= f <= 1.0:
+        raise ValueError(f"headinfer_gpu_heads_frac must be in [0, 1], got {frac!r}")
+    return f
+
+
+def check_count(name: str, value, minimum: int) -> int:
+    """``value`` as an int in [minimum, 2**31 - 1] (a C int32); ValueError naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value > 2**31 - 1:
+        raise ValueError(f"{name} is too large: {value!r}")
+    return int(value)
+
+
+def check_kv_type(name: str, value) -> str:
+    """``value`` lower-cased, if it is one of :data:`KV_CACHE_TYPES`; ValueError otherwise."""
+    t = str(value).lower()
+    if t not in KV_CACHE_TYPES:
+        raise ValueError(f"{name} must be one of {sorted(KV_CACHE_TYPES)}, got {value!r}")
+    return t
+
+
+def _optional_bool(name: str, value) -> Optional[bool]:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name} must be True, False or None, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- #
+# the parameters of a context
+# --------------------------------------------------------------------------- #
+
+@dataclass(frozen=True)
+class ContextParams:
+    """What a :class:`~pyllama_headinfer.api.context.Context` is created with.
+
+    Defaults are this package's (``n_ctx`` 512, flash attention on, f16 KV);
+    ``None`` keeps llama.cpp's default (``n_threads``, ``kv_unified``,
+    ``swa_full``; ``flash_attn=None`` is llama.cpp's "auto").
+
+    HeadInfer: at most one of ``headinfer_gpu_heads_frac`` (the fraction of
+    each layer's KV heads kept in the layer's own -- device -- buffer, in
+    [0, 1]) and ``headinfer_vram_budget`` (bytes or e.g. ``"24GiB"``: the
+    fraction is derived from the budget when the context is created). Neither
+    given: 1.0, HeadInfer off. Both given is an error, whatever the values.
+    """
+
+    n_ctx: int = 512
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_seq_max: int = 1
+    n_threads: Optional[int] = None
+    n_threads_batch: Optional[int] = None
+    flash_attn: Optional[bool] = True
+    type_k: str = "f16"
+    type_v: str = "f16"
+    offload_kqv: bool = True
+    kv_unified: Optional[bool] = None
+    swa_full: Optional[bool] = None
+    headinfer_gpu_heads_frac: Optional[float] = None
+    headinfer_vram_budget: Optional[Size] = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise the checked values in place
+        if self.headinfer_gpu_heads_frac is not None and self.headinfer_vram_budget is not None:
+            raise UsageError(f"give headinfer_gpu_heads_frac ({self.headinfer_gpu_heads_frac!r}) or "
+                             f"headinfer_vram_budget ({self.headinfer_vram_budget!r}), not both")
+        if self.headinfer_gpu_heads_frac is not None:
+            set_(self, "headinfer_gpu_heads_frac", check_headinfer_frac(self.headinfer_gpu_heads_frac))
+        if self.headinfer_vram_budget is not None:
+            parse_size(self.headinfer_vram_budget)  # checked now, kept as given (for messages)
+        set_(self, "n_ctx", check_count("n_ctx", self.n_ctx, 0))
+        set_(self, "n_batch", check_count("n_batch", self.n_batch, 1))
+        set_(self, "n_ubatch", check_count("n_ubatch", self.n_ubatch, 1))
+        set_(self, "n_seq_max", check_count("n_seq_max", self.n_seq_max, 1))
+        if self.n_threads is not None:
+            set_(self, "n_threads", check_count("n_threads", self.n_threads, 1))
+        if self.n_threads_batch is not None:
+            set_(self, "n_threads_batch", check_count("n_threads_batch", self.n_threads_batch, 1))
+        set_(self, "type_k", check_kv_type("type_k", self.type_k))
+        set_(self, "type_v", check_kv_type("type_v", self.type_v))
+        _optional_bool("flash_attn", self.flash_attn)
+        _optional_bool("kv_unified", self.kv_unified)
+        _optional_bool("swa_full", self.swa_full)
+        set_(self, "offload_kqv", bool(self.offload_kqv))
+
+    @property
+    def frac(self) -> float:
+        """The fraction asked for: ``headinfer_gpu_heads_frac``, 1.0 when not given."""
+        return 1.0 if self.headinfer_gpu_heads_frac is None else self.headinfer_gpu_heads_frac
+
+    @property
+    def vram_budget_bytes(self) -> Optional[int]:
+        return None if self.headinfer_vram_budget is None else parse_size(self.headinfer_vram_budget)
+
+    def replace(self, **changes) -> "ContextParams":
+        """A copy with ``changes`` (checked again)."""
+        return replace(self, **changes)
+
+
+CONTEXT_PARAM_NAMES = tuple(f.name for f in fields(ContextParams))

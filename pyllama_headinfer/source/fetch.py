@@ -1,0 +1,376 @@
+"""Get a verified copy of the pinned llama.cpp source tree.
+
+A tree *is the pin* when every file's git blob id and mode equal the packaged
+``git ls-tree -r`` listing of the pinned commit (:func:`pin.pinned_files`),
+with no file missing or extra; a top-level ``.git`` (dir or gitfile) is
+ignored. The listing itself is checked against the commit: the git tree id
+rebuilt from it must equal the tree the commit object names.
+
+:func:`ensure_source` tries, in order, and verifies each before use:
+
+1. an explicit tree (``llama_src`` argument or ``$PYLLAMA_HEADINFER_LLAMA_SRC``);
+2. the tree cached by an earlier fetch, ``cache_dir()/src/<SOURCE_DIRNAME>``;
+3. GitHub's archive of the commit (``$PYLLAMA_HEADINFER_ARCHIVE_URL`` overrides);
+4. the llama-cpp-python sdist from PyPI, whose ``vendor/llama.cpp`` is the pin
+   (``$PYLLAMA_HEADINFER_PIP_ARGS`` adds arguments to ``pip download``, e.g.
+   ``--find-links DIR --no-index``).
+
+Which trees are acceptable is the caller's choice (``accept``): by default
+only the pristine pin (:func:`pristine`); the build passes the patch manager's
+:func:`pyllama_headinfer.patches.status.tree_acceptance`, which also accepts
+the tree with exactly our series applied, so a patched cache is reused. (This
+module does not import the patch manager: it sits below it.)
+
+Hashing the ~176 MB tree takes about a second, so blob ids are remembered in a
+stat cache (size, mtime, ctime, inode -> blob id) kept in the cache directory,
+keyed by the tree's absolute path, never inside the tree
+(:mod:`.tree_verify`); archives are extracted by :mod:`.archive`. The
+``source`` command is :mod:`pyllama_headinfer.cli.source`.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import hashlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+from pyllama_headinfer import paths, pin
+from pyllama_headinfer.source.archive import extract_subtree
+from pyllama_headinfer.errors import HeadInferError, SourceError
+from pyllama_headinfer.source.tree_verify import PathLike, forget_stat_cache, move_stat_cache, verify_tree
+
+log = logging.getLogger(__name__)
+
+LLAMA_SRC_ENV = "PYLLAMA_HEADINFER_LLAMA_SRC"
+ARCHIVE_URL_ENV = "PYLLAMA_HEADINFER_ARCHIVE_URL"
+PIP_ARGS_ENV = "PYLLAMA_HEADINFER_PIP_ARGS"
+
+CONNECT_TIMEOUT_S = 10
+READ_TIMEOUT_S = 60
+
+
+# --------------------------------------------------------------------------
+# whether a tree is usable: pristine, or our series applied
+
+
+Acceptance = Callable[[Path], Tuple[bool, str]]
+
+
+def pristine(tree: PathLike) -> Tuple[bool, str]:
+    """(usable, description): usable when ``tree`` is exactly the pin. The
+    acceptance :func:`ensure_source` uses unless given another one (the patch
+    manager's :func:`pyllama_headinfer.patches.status.tree_acceptance` also
+    accepts our series applied)."""
+    diff = verify_tree(tree)
+    return (True, "pristine") if diff.ok else (False, f"not the pin ({diff.describe()})")
+
+
+# --------------------------------------------------------------------------
+# where things go in the cache
+
+
+def cached_tree_path() -> Path:
+    return paths.cache_dir() / "src" / pin.SOURCE_DIRNAME
+
+
+def downloads_dir() -> Path:
+    return paths.cache_dir() / "downloads"
+
+
+def archive_url() -> str:
+    return os.environ.get(ARCHIVE_URL_ENV) or pin.GITHUB_ARCHIVE_URL
+
+
+# --------------------------------------------------------------------------
+# fetching
+
+
+def _short_reason(exc: BaseException) -> str:
+    """One short line for a failed download (requests nests urllib3's long repr of the connection)."""
+    import requests
+
+    if isinstance(exc, requests.ConnectionError):
+        text = str(exc)
+        for marker, reason in (("NameResolutionError", "the host name does not resolve (no network?)"),
+                               ("Name or service not known", "the host name does not resolve (no network?)"),
+                               ("Connection refused", "connection refused"),
+                               ("timed out", "the connection timed out")):
+            if marker in text:
+                return f"{reason} ({exc.request.url if exc.request is not None else 'no URL'})"
+        return "cannot connect" + (f" to {exc.request.url}" if exc.request is not None else "")
+    if isinstance(exc, requests.Timeout):
+        return "the download timed out"
+    return str(exc).splitlines()[0][:200]
+
+
+def _download_github_archive(downloads: Path) -> Tuple[Path, str]:
+    target = downloads / f"llama.cpp-{pin.LLAMA_CPP_COMMIT}.tar.gz"
+    if target.is_file():
+        log.info("using the archive downloaded earlier: %s", target)
+        return target, ""
+    import requests  # imported here: only this source needs it
+
+    url = archive_url()
+    log.info("downloading %s", url)
+    fd, name = tempfile.mkstemp(dir=downloads, prefix=f".{target.name}.", suffix=".part")
+    partial = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as handle, requests.get(
+            url, stream=True, timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S)
+        ) as response:
+            response.raise_for_status()
+            for chunk in response.iter_content(chunk_size=1 << 20):
+                handle.write(chunk)
+    except requests.RequestException as exc:
+        partial.unlink(missing_ok=True)
+        raise SourceError(f"download failed: {_short_reason(exc)}") from exc
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, target)
+    log.info("downloaded %s (%.1f MB)", target.name, target.stat().st_size / 1e6)
+    return target, ""
+
+
+def _find_sdist(downloads: Path) -> Optional[Path]:
+    for name in (pin.SDIST_NAME.replace("-", "_"), pin.SDIST_NAME):
+        candidate = downloads / f"{name}-{pin.SDIST_VERSION}.tar.gz"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def pip_download_command(downloads: Path) -> List[str]:
+    extra = shlex.split(os.environ.get(PIP_ARGS_ENV, ""))
+    return [
+        # --no-binary for this package only: ":all:" would also make pip build the sdist's build
+        # requirements (CMake!) from source just to read its metadata -- over 20 minutes on 2 cores
+        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", pin.SDIST_NAME,
+        "--dest", str(downloads), *extra, f"{pin.SDIST_NAME}=={pin.SDIST_VERSION}",
+    ]
+
+
+def _download_sdist(downloads: Path) -> Tuple[Path, str]:
+    found = _find_sdist(downloads)
+    if found is None:
+        command = pip_download_command(downloads)
+        log.info("downloading the %s %s sdist with pip (about a minute)", pin.SDIST_NAME, pin.SDIST_VERSION)
+        log.debug("running %s", shlex.join(command))
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if result.returncode != 0:
+            tail = "\n".join(result.stdout.strip().splitlines()[-5:])
+            raise SourceError(f"pip download failed (exit {result.returncode}): {tail}")
+        found = _find_sdist(downloads)
+        if found is None:
+            raise SourceError(f"pip download succeeded but left no {pin.SDIST_NAME} sdist in {downloads}")
+    else:
+        log.info("using the sdist downloaded earlier: %s", found)
+    return found, pin.SDIST_SUBDIR
+
+
+@dataclass
+class _Fetcher:
+    label: str
+    download: Callable[[Path], Tuple[Path, str]]  # downloads dir -> (archive, subdir to extract)
+
+
+def _remote_sources() -> List[_Fetcher]:
+    return [
+        _Fetcher(f"GitHub archive {archive_url()}", _download_github_archive),
+        _Fetcher(f"PyPI sdist {pin.SDIST_NAME}=={pin.SDIST_VERSION}", _download_sdist),
+    ]
+
+
+def install_tree(staged: Path, final: Path, replace: bool) -> Path:
+    """Rename a verified staged tree into place.
+
+    An existing tree is replaced only when asked (``fetch --force``); otherwise
+    it was installed by a concurrent fetch, and that one is kept.
+    """
+    old = None
+    if final.exists() and not replace:
+        log.info("another process installed %s meanwhile; keeping it", final)
+        return final
+    if final.exists():
+        _keep_unchanged_mtimes(final, staged)
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        os.rename(final, old)
+    os.rename(staged, final)
+    move_stat_cache(staged, final)
+    if old is not None:
+        forget_stat_cache(old)
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _keep_unchanged_mtimes(old: Path, new: Path) -> None:
+    """Before ``new`` replaces ``old`` (``fetch --force``): files with the same
+    bytes get the old file's times, so a build over the new tree recompiles
+    nothing for them. Files that differ -- edited by hand, or patched by the
+    series, which the next build applies again -- are remembered with their
+    digest and times (:func:`take_replaced_file_times`): a patched file that
+    comes out of that build byte-identical gets its old times back too."""
+    differing = {}
+    for directory, _dirs, files in os.walk(new):
+        for name in files:
+            fresh = Path(directory) / name
+            rel = fresh.relative_to(new)
+            previous = old / rel
+            if fresh.is_symlink() or not previous.is_file() or previous.is_symlink():
+                continue
+            st = previous.stat()
+            if st.st_size == fresh.stat().st_size and filecmp.cmp(previous, fresh, shallow=False):
+                os.utime(fresh, ns=(st.st_atime_ns, st.st_mtime_ns))
+            else:
+                digest = hashlib.sha256(previous.read_bytes()).hexdigest()
+                differing[rel.as_posix()] = [digest, st.st_atime_ns, st.st_mtime_ns]
+    for directory, _dirs, files in os.walk(old):  # files the series created: the build creates them again
+        for name in files:
+            previous = Path(directory) / name
+            rel = previous.relative_to(old)
+            if not previous.is_symlink() and not (new / rel).exists() and previous.stat().st_size < (1 << 24):
+                st = previous.stat()
+                differing[rel.as_posix()] = [hashlib.sha256(previous.read_bytes()).hexdigest(),
+                                             st.st_atime_ns, st.st_mtime_ns]
+    record = _replaced_times_path(old)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(differing), encoding="utf-8")
+
+
+def _replaced_times_path(tree: Path) -> Path:
+    return paths.cache_dir() / "replaced-file-times" / (hashlib.sha256(str(tree).encode()).hexdigest()[:16] + ".json")
+
+
+def take_replaced_file_times(tree: os.PathLike) -> Dict[str, Tuple[str, int, int]]:
+    """What :func:`_keep_unchanged_mtimes` remembered of the files of ``tree``
+    that ``fetch --force`` replaced by different bytes: ``{relative path:
+    (sha256, atime_ns, mtime_ns)}``, handed out once (the record is removed)."""
+    record = _replaced_times_path(Path(tree))
+    try:
+        kept = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    record.unlink(missing_ok=True)
+    return {rel: (str(v[0]), int(v[1]), int(v[2])) for rel, v in kept.items()}
+
+
+def _fetch_one(fetcher: _Fetcher, downloads: Path, final: Path, replace: bool) -> Path:
+    archive, subdir = fetcher.download(downloads)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=".staging-"))
+    try:
+        tree = staging / final.name
+        tree.mkdir()
+        log.info("extracting %s", archive.name)
+        try:
+            extract_subtree(archive, tree, subdir)
+            diff = verify_tree(tree)
+            if not diff.ok:
+                raise SourceError(f"the extracted tree is not the pin ({diff.describe()})")
+        except SourceError as exc:
+            # a corrupt, unsafe or wrong archive must not satisfy the next attempt
+            archive.unlink(missing_ok=True)
+            raise SourceError(f"{exc}; deleted {archive.name}") from exc
+        return install_tree(tree, final, replace)
+    finally:
+        forget_stat_cache(staging / final.name)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _fetch_into_cache(tried: List[str], *, replace: bool = False) -> Path:
+    final = cached_tree_path()
+    downloads = downloads_dir()
+    downloads.mkdir(parents=True, exist_ok=True)
+    for fetcher in _remote_sources():
+        try:
+            tree = _fetch_one(fetcher, downloads, final, replace)
+        except (HeadInferError, OSError, subprocess.SubprocessError) as exc:
+            log.info("%s: failed: %s", fetcher.label, exc)
+            tried.append(f"{fetcher.label}: {exc}")
+            continue
+        log.info("pinned llama.cpp %s ready at %s", pin.LLAMA_CPP_BUILD, tree)
+        return tree
+    raise SourceError(
+        f"could not obtain llama.cpp {pin.LLAMA_CPP_BUILD} ({pin.LLAMA_CPP_COMMIT}); tried:\n"
+        + "\n".join(f"  - {line}" for line in tried)
+    )
+
+
+def fetch_source(*, force: bool = False, accept: Acceptance = pristine) -> Path:
+    """Download and verify the pin into the cache (replacing a cached tree when ``force``)."""
+    final = cached_tree_path()
+    if final.exists() and not force:
+        return _use_existing(final, "the cached tree", False, _CACHED_RECIPE, accept)
+    return _fetch_into_cache([], replace=force)
+
+
+_CACHED_RECIPE = (
+    "Run `pyllama-headinfer patch revert` if it is partially patched, or "
+    "`pyllama-headinfer source fetch --force` to replace it."
+)
+
+
+def _use_existing(tree: Path, label: str, allow_unverified: bool, recipe: str, accept: Acceptance) -> Path:
+    if not tree.is_dir():
+        raise SourceError(f"{label} {tree} is not a directory")
+    usable, description = accept(tree)
+    if usable:
+        log.info("using %s %s (%s)", label, tree, description)
+        return tree
+    if allow_unverified:
+        log.warning("using %s %s although it is not the pin: %s", label, tree, description)
+        return tree
+    raise SourceError(
+        f"{label} {tree} is not usable: {description}. {recipe} "
+        "Or pass --allow-unverified to use it anyway."
+    )
+
+
+def ensure_source(llama_src: Optional[PathLike] = None, *, allow_unverified: bool = False,
+                  accept: Acceptance = pristine) -> Path:
+    """Path of a verified pinned llama.cpp tree (pristine or with our series applied).
+
+    See the module docstring for the order of sources. An explicit tree that is
+    not acceptable is an error (never silently replaced by another source);
+    so is a cached tree modified by hand. ``allow_unverified`` accepts such a
+    tree with a warning. ``accept`` judges a tree (default :func:`pristine`).
+    """
+    explicit = llama_src if llama_src is not None else os.environ.get(LLAMA_SRC_ENV)
+    if explicit:
+        return _use_existing(
+            Path(explicit).expanduser().resolve(), "the llama.cpp tree", allow_unverified,
+            "Point --llama-src at a checkout of "
+            f"{pin.LLAMA_CPP_COMMIT} ({pin.LLAMA_CPP_BUILD}), or leave it out to use the cached download.",
+            accept,
+        )
+    cached = cached_tree_path()
+    if cached.exists():
+        return _use_existing(cached, "the cached tree", allow_unverified, _CACHED_RECIPE, accept)
+    return _fetch_into_cache([f"cached tree: none at {cached}"])
+
+
+def locate_tree(llama_src: Optional[PathLike] = None) -> Path:
+    """The tree a command should work on, without judging its state.
+
+    Explicit path or ``$PYLLAMA_HEADINFER_LLAMA_SRC``, else the cached tree,
+    fetched first if absent. Patch commands use this so they can report on
+    (and repair) partially patched or modified trees that ensure_source refuses.
+    """
+    explicit = llama_src if llama_src is not None else os.environ.get(LLAMA_SRC_ENV)
+    if explicit:
+        tree = Path(explicit).expanduser().resolve()
+        if not tree.is_dir():
+            raise SourceError(f"the llama.cpp tree {tree} is not a directory")
+        return tree
+    cached = cached_tree_path()
+    return cached if cached.exists() else ensure_source()
