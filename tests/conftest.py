@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
+import logging
 import os
 import shutil
 import stat
@@ -315,3 +317,30 @@ def residency_llama(llama):
 
     assert bindings.has_kv_residency(), "libllama lacks llama_memory_get_kv_buffers: not built from the series"
     return llama
+
+
+# --------------------------------------------------------------------------
+# llama.cpp's log, caught on the API's logger itself (CLI runs in other tests turn propagation off)
+
+
+class LogRecords(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def capture_llama_log(level: int):
+    """The records of the ``pyllama_headinfer.llama`` logger at ``level`` and above, inside the block."""
+    logger = logging.getLogger("pyllama_headinfer.llama")
+    handler, saved = LogRecords(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    try:
+        yield handler.records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved)

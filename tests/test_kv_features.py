@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import capture_llama_log
 
 from pyllama_headinfer.runtime.log import capture_log
 from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, find_manifest
@@ -902,28 +903,11 @@ def _generate_logged(llama, model, frac, n_gen=N_GEN):
     return run
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-
 @pytest.fixture
 def llama_log_records():
-    """Records of the ``pyllama_headinfer.llama`` logger at INFO, caught on
-    the logger itself (other tests' CLI runs turn propagation off)."""
-    logger = logging.getLogger("pyllama_headinfer.llama")
-    handler, level = _Records(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler.records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    """Records of the ``pyllama_headinfer.llama`` logger at INFO."""
+    with capture_llama_log(logging.INFO) as caught:
+        yield caught
 
 
 @pytest.mark.parametrize("frac", FRACS)

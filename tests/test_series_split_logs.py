@@ -25,6 +25,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import capture_llama_log
 
 from testing_models import CORPUS, ensure_extra_models
 
@@ -33,26 +34,10 @@ FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 pytestmark = pytest.mark.usefixtures("residency_llama")
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-
 @pytest.fixture
 def records(llama):
-    logger = llama.logger
-    handler, level = _Records(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield handler.records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    with capture_llama_log(logging.DEBUG) as caught:
+        yield caught
 
 
 def headinfer(records, level=None):
