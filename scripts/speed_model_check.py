@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from pyllama_headinfer.params import ContextParams  # noqa: E402
 from pyllama_headinfer.vram.plan import plan_kv  # noqa: E402
-from pyllama_headinfer.vram.speed import exact, load_calibration, predict_step_s  # noqa: E402
+from pyllama_headinfer.vram.speed import exact, load_calibration, predict_row_step_s  # noqa: E402
 
 
 def rows_of(paths):
@@ -44,15 +44,7 @@ def predict(model: str, row: dict, constants) -> tuple[float, float]:
                            n_ubatch=int(row.get("n_ubatch", 512)))
     p = plan_kv(model, params, n_gpu_layers=int(row.get("n_gpu_layers", 99)))
     r = p.row_for_frac(frac)
-    cells = max(1, p.geometry.n_ctx_seq * p.geometry.n_stream)
-    scale = (depth + n_gen / 2) / cells  # the average filled context during the n_gen tokens
-    host = (r.host_half_k + r.host_half_v) * scale
-    n = len(p.rows)
-    split_full = host * n / (n - r.g) if r.n_split and r.g < n else 0.0
-    step = predict_step_s(constants, weights_bytes=p.weights.device_alloc, type_k=t[0], type_v=t[1],
-                          kv_bytes_k=(r.resident_k + r.host_half_k) * scale,
-                          kv_bytes_v=(r.resident_v + r.host_half_v) * scale, host_kv_bytes=host,
-                          n_split_layers=r.n_split, split_kv_bytes=split_full)
+    step = predict_row_step_s(constants, p, r, depth + n_gen / 2)  # the average context during the n_gen tokens
     total = r.resident_k + r.resident_v + r.host_half_k + r.host_half_v
     return 1.0 / step, (r.device_kv / total if total else 1.0)
 

@@ -76,15 +76,12 @@ def kv_type_for_budget(model: Model, params: ContextParams, args: argparse.Names
     --allow-quantized-kv; says what it picked and what the fastest overall would be.
     Planned from the GGUF the model read (not read again)."""
     ranking = rank_options(model.gguf, params, n_gpu_layers=args.ngl)
-    best, exact = ranking.fastest, ranking.fastest_exact
-    pick = best if args.allow_quantized_kv else exact
+    pick = ranking.choose(args.allow_quantized_kv)
     if pick is None:
         return params.type_k  # nothing fits: the context's own plan says so, with what would fit
+    other = ranking.faster_alternative(pick)
     log.info("--vram-budget: %s cache, frac %.6g (%.1f tok/s predicted at a full context)%s", pick.type_k,
-             pick.frac, pick.predicted_decode_tok_s,
-             "" if best is None or best is pick else
-             f"; fastest overall: {best.type_k} cache, frac {best.frac:.6g} ({best.predicted_decode_tok_s:.1f} tok/s"
-             f" predicted, not exact: --allow-quantized-kv)")
+             pick.frac, pick.predicted_decode_tok_s, f"; {other}" if other else "")
     return pick.type_k
 
 

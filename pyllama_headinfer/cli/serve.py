@@ -192,8 +192,7 @@ def _frac_for_server(model: Path, vram_budget, margin, extra: Sequence[str], all
         raise UsageError(f"--vram-budget: {exc}") from None
     if given and type_v is not None and type_v != (type_k or "f16"):
         raise UsageError("--vram-budget plans one KV type for K and V: give the same -ctk and -ctv")
-    best = ranking.fastest
-    pick = best if (allow_quantized_kv or given) else ranking.fastest_exact
+    pick = ranking.choose(allow_quantized_kv or given)  # given types: the ranking holds only them
     if pick is None:
         raise UsageError(f"--vram-budget {vram_budget}: nothing fits at n_ctx {n_ctx} with {n_parallel} "
                               "slot(s); a smaller context (-c), fewer slots (-np) or a larger budget would")
@@ -201,9 +200,9 @@ def _frac_for_server(model: Path, vram_budget, margin, extra: Sequence[str], all
             f"heads on the device (frac {pick.frac:.6g}) for n_ctx {n_ctx}, {n_parallel} slot(s); estimated "
             f"device total {format_bytes(pick.device_bytes)}, {format_bytes(pick.host_kv)} of KV in host memory, "
             f"{pick.predicted_decode_tok_s:.1f} tok/s predicted per sequence at a full context")
-    if best is not None and best is not pick:
-        note += (f"; fastest overall: K/V {best.type_k} at frac {best.frac:.6g} ({best.predicted_decode_tok_s:.1f} "
-                 "tok/s predicted, not exact: --allow-quantized-kv)")
+    other = ranking.faster_alternative(pick)
+    if other:
+        note += f"; {other}"
     types_args = [] if given else ["-ctk", pick.type_k, "-ctv", pick.type_v]
     return pick.frac, types_args, note
 

@@ -103,6 +103,25 @@ def predict_step_s(c: SpeedConstants, *, weights_bytes: int, type_k: str, type_v
     return (max(t_gpu, t_link) if c.overlapped else t_gpu + t_link) + t_split
 
 
+def plan_cells(plan) -> int:
+    """KV cells a plan allocates (all streams): the context its KV bytes are for."""
+    return max(1, plan.geometry.n_ctx_seq * plan.geometry.n_stream)
+
+
+def predict_row_step_s(c: SpeedConstants, plan, row, filled: float) -> float:
+    """:func:`predict_step_s` for one row of a :class:`~pyllama_headinfer.vram.plan.Plan`
+    with ``filled`` tokens of context in the cache (the row's KV bytes scaled to them)."""
+    scale = filled / plan_cells(plan)
+    host = (row.host_half_k + row.host_half_v) * scale
+    n = len(plan.rows)
+    # the split layers' whole K+V (resident + host heads): what joining the halves touches
+    split_full = host * n / (n - row.g) if row.n_split and row.g < n else 0.0
+    return predict_step_s(c, weights_bytes=plan.weights.device_alloc, type_k=plan.settings.type_k,
+                          type_v=plan.settings.type_v, kv_bytes_k=(row.resident_k + row.host_half_k) * scale,
+                          kv_bytes_v=(row.resident_v + row.host_half_v) * scale, host_kv_bytes=host,
+                          n_split_layers=row.n_split, split_kv_bytes=split_full)
+
+
 # --------------------------------------------------------------------------
 # ranking the options of a plan
 
@@ -145,6 +164,19 @@ class Ranking:
     @property
     def fastest_exact(self) -> Optional[Option]:
         return next((o for o in self.fitting if o.exact), None)
+
+    def choose(self, allow_quantized: bool) -> Optional[Option]:
+        """What a tool picks for the user: the fastest exact option, or the fastest of all
+        when quantized caches are allowed; None when nothing fits."""
+        return self.fastest if allow_quantized else self.fastest_exact
+
+    def faster_alternative(self, pick: Optional[Option]) -> str:
+        """A phrase naming the fastest option when it is not ``pick`` (else "")."""
+        best = self.fastest
+        if best is None or best is pick:
+            return ""
+        return (f"fastest overall: K/V {best.type_k} at frac {best.frac:.6g} ({best.predicted_decode_tok_s:.1f} "
+                "tok/s predicted, not exact: --allow-quantized-kv)")
 
     def to_dict(self) -> dict:
         return {"depth": self.depth, "budget": self.budget, "speed_constants": self.constants.to_dict(),
@@ -194,20 +226,11 @@ def rank_options(model, params: ContextParams, *, types: Sequence[str] = CANDIDA
     notes = []
     for t in dict.fromkeys(types):
         plan = plan_kv(info, params.replace(type_k=t, type_v=t), **plan_options)
-        cells = max(1, plan.geometry.n_ctx_seq * plan.geometry.n_stream)
+        cells = plan_cells(plan)
         d = cells if depth is None else min(int(depth), cells)
-        scale = d / cells
         for r in plan.rows:
-            n_split = r.n_split
-            split_kv = (r.host_half_k + r.host_half_v) * scale
-            # the split layers' whole K+V (resident + host heads): what joining the halves touches
-            n = len(plan.rows)
-            full_split_kv = split_kv * n / (n - r.g) if n_split and r.g < n else 0.0
             try:
-                t_step = predict_step_s(c, weights_bytes=plan.weights.device_alloc, type_k=t, type_v=t,
-                                        kv_bytes_k=(r.resident_k + r.host_half_k) * scale,
-                                        kv_bytes_v=(r.resident_v + r.host_half_v) * scale,
-                                        host_kv_bytes=split_kv, n_split_layers=n_split, split_kv_bytes=full_split_kv)
+                t_step = predict_row_step_s(c, plan, r, d)
             except ValueError as exc:
                 notes.append(str(exc))
                 break
