@@ -311,12 +311,7 @@ def serve(command: ServerCommand) -> int:
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except KeyboardInterrupt:  # a second Ctrl-C while waiting: pass it on and keep waiting
-                forward(signal.SIGINT, None)
+        rc = proc.wait()  # SIGINT/SIGTERM go to forward(), not KeyboardInterrupt, while we wait
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
