@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """How many scheduler splits the HeadInfer split adds to llama.cpp's graphs.
 
-    python scripts/graph_splits.py --model M.gguf [--ngl 99] [--fracs 1,0.75,0.5,0.25] [--ctx 4096] [--type f16]
+    python scripts/graph_splits.py --model M.gguf [--ngl 99] [--fracs 1,0.75,0.5,0.25] [--ctx 4096[,32768,...]] [--type f16]
+                                   [--rpc N]
 
 For each fraction a context is created and llama.cpp's own report of its
 reserved graphs is read from the log ("graph (pp bs=512, tg bs=1): nodes = ...,
@@ -9,36 +10,46 @@ splits = PP / TG"): the number of pieces the backend scheduler cuts the prompt
 and the decode graph into. Every split boundary between a GPU and the CPU
 costs a synchronisation, so this is the figure to watch (GGML_SCHED_DEBUG=2
 prints the splits themselves). Printed per fraction, with the extra decode
-splits per split layer relative to frac 1.0.
+splits per split layer relative to frac 1.0, and the compute buffer of each
+backend as llama.cpp reports it (it includes the scheduler's staging buffer
+for streamed host inputs, patch 11), per context size. With --rpc N (a build
+with -DGGML_RPC=ON) the layers go to N local RPC servers' devices: on a
+machine without a GPU, with LLAMA_HEADINFER_FORCE_SPLIT=1, this shows how the
+scheduler copies host memory to an offload device (GGML_SCHED_NO_STREAM=1:
+without streaming).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pyllama_headinfer.runtime.log import capture_log
-from pyllama_headinfer.llama import Context, Model
+from pyllama_headinfer.llama import Context, Model, rpc_add_server
 
 SPLITS_RE = re.compile(r"graph.*: nodes = (\d+)(?: / (\d+))?, splits = (\d+)(?: / (\d+))?")
+COMPUTE_RE = re.compile(r"(\S+) compute buffer size = +([0-9.]+) MiB")
 
 
-def graph_splits(model: Model, frac: float, n_ctx: int, kv_type: str) -> tuple[int, int, int, int]:
-    """(nodes pp, nodes tg, splits pp, splits tg) of the context's reserved graphs; and the split layers."""
+def graph_splits(model: Model, frac: float, n_ctx: int, kv_type: str) -> tuple[int, int, int, int, dict[str, float]]:
+    """(splits pp, splits tg, nodes tg, split layers, {backend: compute buffer MiB}) of the context's reserved graphs."""
     with capture_log() as log, Context(model, n_ctx=n_ctx, flash_attn=True, type_k=kv_type, type_v=kv_type,
                                                 headinfer_gpu_heads_frac=frac) as ctx:
         report = ctx.kv_residency() or {"layers": []}
     n_split = sum(1 for x in report["layers"] if x["n_head_resident"] < x["n_head_kv"])
+    compute = {m.group(1): float(m.group(2)) for _, text in log for m in [COMPUTE_RE.search(text)] if m}
     for level, text in log:
         m = SPLITS_RE.search(text)
         if m:
             nodes_pp, nodes_tg, splits_pp, splits_tg = m.groups()
-            return int(splits_pp), int(splits_tg or splits_pp), int(nodes_tg or nodes_pp), n_split
+            return int(splits_pp), int(splits_tg or splits_pp), int(nodes_tg or nodes_pp), n_split, compute
     raise RuntimeError("llama.cpp did not log its graph report (is its INFO log suppressed?)")
 
 
@@ -47,19 +58,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", "-m", required=True)
     ap.add_argument("--ngl", type=int, default=99)
     ap.add_argument("--fracs", default="1,0.75,0.5,0.25")
-    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--ctx", default="4096", help="context sizes, comma-separated")
     ap.add_argument("--type", default="f16", help="KV type (K and V)")
+    ap.add_argument("--rpc", type=int, default=0, metavar="N", help="spread the layers over N local RPC servers' devices")
     args = ap.parse_args(argv)
     logging.getLogger("pyllama_headinfer.llama").setLevel(logging.INFO)
 
-    with Model(args.model, n_gpu_layers=args.ngl) as model:
-        base_tg = None
-        print(f"{'frac':>5} {'split layers':>12} {'splits pp':>9} {'splits tg':>9} {'nodes tg':>8} {'extra tg splits per split layer':>32}")
-        for frac in (float(f) for f in args.fracs.split(",")):
-            pp, tg, nodes, n_split = graph_splits(model, frac, args.ctx, args.type)
-            base_tg = tg if base_tg is None else base_tg
-            extra = f"{(tg - base_tg) / n_split:.2f}" if n_split else "-"
-            print(f"{frac:>5g} {n_split:>12} {pp:>9} {tg:>9} {nodes:>8} {extra:>32}", flush=True)
+    from gpu_check import rpc_servers  # the same servers as the exactness check's
+
+    with contextlib.ExitStack() as stack:
+        endpoints = stack.enter_context(rpc_servers(args.rpc)) if args.rpc else []
+        devices = [d for e in endpoints for d in rpc_add_server(e)] or None
+        model = stack.enter_context(Model(args.model, n_gpu_layers=args.ngl, devices=devices))
+        print(f"{'n_ctx':>7} {'frac':>5} {'split layers':>12} {'splits pp':>9} {'splits tg':>9} {'nodes tg':>8} "
+              f"{'extra tg splits per split layer':>32}  compute buffers (MiB)")
+        for n_ctx in (int(c) for c in args.ctx.split(",")):
+            base_tg = None
+            for frac in (float(f) for f in args.fracs.split(",")):
+                pp, tg, nodes, n_split, compute = graph_splits(model, frac, n_ctx, args.type)
+                base_tg = tg if base_tg is None else base_tg
+                extra = f"{(tg - base_tg) / n_split:.2f}" if n_split else "-"
+                buffers = ", ".join(f"{name} {mib:.1f}" for name, mib in compute.items())
+                print(f"{n_ctx:>7} {frac:>5g} {n_split:>12} {pp:>9} {tg:>9} {nodes:>8} {extra:>32}  {buffers}", flush=True)
     return 0
 
 

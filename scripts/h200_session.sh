@@ -4,14 +4,15 @@
 #   scripts/h200_session.sh OUTDIR build    # CUDA build of the series (+ tools, test-backend-ops)
 #   scripts/h200_session.sh OUTDIR checks   # gpu_check --no-cuda-fusion, test-backend-ops, series checks
 #   scripts/h200_session.sh OUTDIR bench    # llama-bench: fractions x KV types at 8K/32K/128K, k-token steps
+#   scripts/h200_session.sh OUTDIR stream   # the data path: decode/fill with streaming on and off, splits, buffers
 #
 # Needs, in the checkout: .gpu-carry/llama.cpp-<pin commit>.tar.gz (a GitHub-style archive of the pin,
 # e.g. the sdist's vendor/llama.cpp packed under llama.cpp-<commit>/), and .whl/ with the wheels of
 # cffi, pycparser and gguf for the machine's python3 (the device tool's README says how).
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|checks|bench}
-part=${2:?usage: $0 OUTDIR build|checks|bench}
+out=${1:?usage: $0 OUTDIR build|checks|bench|stream}
+part=${2:?usage: $0 OUTDIR build|checks|bench|stream}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -25,6 +26,20 @@ export PYTHONPATH=/tmp/site:$root
 bdir=$root/build/cuda-sm90
 bench=$bdir/bin/llama-bench
 model=/tmp/b8.gguf
+
+lb() {  # name, then llama-bench arguments: markdown to bench.md, JSON kept for the speed model check
+    local name=$1
+    shift
+    echo "== $name: ${LB_ENV:-} llama-bench -m b8.gguf -ngl 99 -fa 1 $*" >> "$out/bench.md"
+    env ${LB_ENV:-} "$bench" -m "$model" -ngl 99 -fa 1 "$@" -o json > "$out/json/$name.json" 2>> "$out/bench.err"
+    python3 - "$out/json/$name.json" >> "$out/bench.md" <<'EOF'
+import json, sys
+text = open(sys.argv[1]).read()
+for r in json.loads(text[text.index("["):]) if "[" in text else []:
+    print(f"| {r['type_k']}/{r['type_v']} | hgf {r.get('headinfer_gpu_heads_frac', 1):g} | depth {r['n_depth']} "
+          f"| p {r['n_prompt']} n {r['n_gen']} ub {r['n_ubatch']} | {r['avg_ts']:.2f} tok/s |")
+EOF
+}
 
 case $part in
 build)
@@ -48,19 +63,6 @@ checks)
     ;;
 bench)
     [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model" > /dev/null
-    lb() {  # name, then llama-bench arguments: markdown to bench.md, JSON kept for the speed model check
-        local name=$1
-        shift
-        echo "== $name: llama-bench -m b8.gguf -ngl 99 -fa 1 $*" >> "$out/bench.md"
-        "$bench" -m "$model" -ngl 99 -fa 1 "$@" -o json > "$out/json/$name.json" 2>> "$out/bench.err"
-        python3 - "$out/json/$name.json" >> "$out/bench.md" <<'EOF'
-import json, sys
-text = open(sys.argv[1]).read()
-for r in json.loads(text[text.index("["):]) if "[" in text else []:
-    print(f"| {r['type_k']}/{r['type_v']} | hgf {r.get('headinfer_gpu_heads_frac', 1):g} | depth {r['n_depth']} "
-          f"| p {r['n_prompt']} n {r['n_gen']} | {r['avg_ts']:.2f} tok/s |")
-EOF
-    }
     mkdir -p "$out/json"
     lb f16_8k_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 1
     lb q8_0_32k -ctk q8_0 -ctv q8_0 -hgf 1,0.5 -d 32768 -p 0 -n 32 -r 1
@@ -72,5 +74,16 @@ EOF
     python3 scripts/shared_prefix_bench.py --model "$model" --depth 32768 --n 1,2,4,8 --fracs 1,0.5 --ngl 99 \
         > "$out/shared_prefix.md" 2>> "$out/bench.err"
     tar czf "$out/bench_json.tgz" -C "$out" json && rm -rf "$out/json"
+    ;;
+stream)
+    [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model" > /dev/null
+    mkdir -p "$out/json"
+    lb dec_8k_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 1
+    LB_ENV=GGML_SCHED_NO_STREAM=1 lb dec_nostream -ctk f16 -ctv f16 -hgf 0.5 -d 8192,32768 -p 0 -n 32 -r 1
+    { time python3 scripts/graph_splits.py --model "$model" --ctx 8192,32768,131072 --fracs 1,0.5,0.25; } > "$out/splits.txt" 2>&1
+    { echo "== streaming off"; GGML_SCHED_NO_STREAM=1 python3 scripts/graph_splits.py --model "$model" --ctx 131072 --fracs 1,0.5; } >> "$out/splits.txt" 2>&1
+    lb dec_128k -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
+    lb fill_128k -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -p 131072 -n 0 -r 1 -ub 2048,8192
+    tar czf "$out/stream_json.tgz" -C "$out" json && rm -rf "$out/json"
     ;;
 esac

@@ -310,9 +310,8 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
 
     * a layer's attention: 4 T (2 n_embd + Q + K + V + attention output) bytes
       of f32 activations, plus its KV working set -- for a split layer the
-      concatenated K and V (the whole layer, cache type) and the uploaded copy
-      of its host half (the scheduler copies the host tensors to the GPU);
-      with a quantized KV type, flash attention's f16 copies of K and V
+      concatenated K and V (the whole layer, cache type); with a quantized KV
+      type, flash attention's f16 copies of K and V
       (ggml_cuda_flash_attn_ext_get_alloc_size); the largest layer counts;
     * a layer's FFN: 4 T (2 n_embd + 3 n_ff);
     * the output: 4 T (n_vocab + 2 n_embd) when the logits are computed on
@@ -322,7 +321,16 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
       weights copied in: the largest CPU layer's weights (and the CPU output
       weight) on top.
 
-    The largest of the layer and output stages, plus masks. Not included:
+    The largest of the layer and output stages, plus masks, plus what the
+    split keeps outside that peak:
+
+    * the scheduler's staging buffer (patch 0011): two slots, each one split
+      layer's host K and V (the largest), outside ggml-alloc -- the host heads
+      are copied there one layer ahead;
+    * each split layer's converted rows of the host heads, T rows of its host
+      K and V, alive until the host stores at the end of the graph.
+
+    Not included:
     the CUDA context, cuBLAS workspaces and the CUDA memory pool (outside
     llama.cpp's buffers) -- pass a margin for those. Returns 0 when nothing
     runs on the GPU.
@@ -340,7 +348,7 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
         hk, hv = info.head_k_of(il), info.head_v_of(il)
         attn_act = max(attn_act, f32 * T * (2 * info.n_embd + nh * hk + nkv * hk + nkv * hv + nh * hv))
         ffn_act = max(ffn_act, f32 * T * (2 * info.n_embd + 3 * info.n_ff[il]))
-    ws = 0
+    ws = staging = rows = 0
     masks = {}
     for layer, g in zip(layers, resident):
         cells = layer.cells * layer.n_stream
@@ -352,8 +360,10 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
         lw = 0
         if g < layer.n_head_kv:
             lw += full_k + full_v  # concat results
-            lw += row_size(qk, (layer.n_head_kv - g) * layer.head_k) * cells  # uploaded host halves
-            lw += row_size(qv, (layer.n_head_kv - g) * layer.head_v) * cells
+            host_k = row_size(qk, (layer.n_head_kv - g) * layer.head_k)
+            host_v = row_size(qv, (layer.n_head_kv - g) * layer.head_v)
+            staging = max(staging, 2 * (host_k + host_v) * cells)  # two slots of the largest layer's host K+V
+            rows += (host_k + host_v) * T  # converted rows waiting for the host stores
         if quantized:
             lw += 2 * (layer.n_head_kv * layer.head_k + layer.row_v) * cells  # f16 copies for flash attention
         ws = max(ws, lw)
@@ -362,4 +372,4 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
     output_stage = 0
     if w.output_on_gpu or offload_ops:
         output_stage = f32 * T * (info.n_vocab + 2 * info.n_embd) + (w.host_output if offload_ops else 0)
-    return max(layer_stage, output_stage) + sum(masks.values())
+    return max(layer_stage, output_stage) + sum(masks.values()) + staging + rows

@@ -9,10 +9,11 @@ token, with the context filled to ``depth`` tokens::
     t_gpu   = weights_on_device / weights_rate
               + kv_fixed[type] + kv_bytes(depth) / kv_rate[type]      all heads are attended on the GPU
     t_link  = host_kv_bytes(depth) / link_rate                        the host heads cross the link
-    t_split = n_split_layers * split_layer_s
-              + split_kv_bytes(depth) * reassembly_s_per_byte         this series' data path per step
-    t       = t_gpu + t_link + t_split      (copies not overlapped with compute, as at this series)
-            = max(t_gpu, t_link) + t_split  (``overlapped`` constants: once the copy overlaps compute)
+    t_join  = split_kv_bytes(depth) * reassembly_s_per_byte           joining the halves on the device
+    t_steps = n_split_layers * split_layer_s                          the split's fixed cost per step
+    t       = max(t_gpu + t_join, t_link) + t_steps   (``overlapped``: the scheduler streams the host heads
+                                                       one layer ahead while the GPU computes, patch 0011)
+            = t_gpu + t_join + t_link + t_steps       (copies one after the other, e.g. GGML_SCHED_NO_STREAM=1)
 
 An unquantized cache (f16, bf16, f32) gives the same results whatever the
 fraction: those options are *exact*; q8_0/q4_0 change the numbers.
@@ -51,9 +52,9 @@ class SpeedConstants:
     kv_rate: dict  # KV type -> KV bytes attended per second
     kv_fixed: dict  # KV type -> fixed seconds per token of that type's attention kernels
     link_rate: float  # host -> device bytes per second (pinned memory)
-    split_layer_s: float  # per split layer and step: the scheduler transitions of the split
+    split_layer_s: float  # per split layer and step: the split's fixed cost (scheduler transitions, events)
     reassembly_s_per_byte: float  # per byte of a split layer's K+V: joining the halves on the device
-    overlapped: bool = False  # the host heads' copy overlaps compute (not at this series)
+    overlapped: bool = False  # the host heads' copy overlaps compute (the scheduler streams them, patch 0011)
     source: str = ""
 
     def to_dict(self) -> dict:
@@ -67,16 +68,18 @@ class SpeedConstants:
 # Measured on the H200 (docs/BENCHMARKS.md, FACTS.md), 8B-shaped Q4_K_M (4.58 GiB of weights),
 # llama-bench -fa 1 -ngl 99, tg32: frac 1.0 f16 277.7/245.3/186.6/92.0 tok/s at 0/8K/32K/128K,
 # q8_0 252.1/201.4/125.2/49.6; q4_0 119.3 at 32K (its fixed cost assumed equal to q8_0's);
-# split transitions ~2.2 ms per token for 32 layers, reassembly ~0.7 ms per GiB (series at 255b680).
+# reassembly ~0.7 ms per GiB (series at 255b680). With the host heads streamed (patch 0011): f16 at
+# 8K/32K/128K, f = 0.75/0.5/0.25, all within 3 % of max(t_gpu + t_join, t_link) + 1.5 ms with the link
+# at 54 GB/s (2.5 % under the 55.4 GB/s of one large pinned copy).
 H200_DEFAULTS = SpeedConstants(
     device="NVIDIA H200 (defaults)",
     weights_rate=4.918e9 / 3.601e-3,
     kv_rate={"f16": 2.36e12, "bf16": 2.36e12, "f32": 2.36e12, "q8_0": 0.564e12, "q4_0": 0.274e12},
     kv_fixed={"f16": 0.0, "bf16": 0.0, "f32": 0.0, "q8_0": 0.366e-3, "q4_0": 0.366e-3},
-    link_rate=55.4 * GB,
-    split_layer_s=2.2e-3 / 32,
+    link_rate=54.0 * GB,
+    split_layer_s=1.5e-3 / 32,
     reassembly_s_per_byte=0.7e-3 / 2**30,
-    overlapped=False,
+    overlapped=True,
     source="defaults measured on an NVIDIA H200 (PCIe Gen5 x16); run `bench --calibrate` on your GPU",
 )
 
@@ -99,8 +102,9 @@ def predict_step_s(c: SpeedConstants, *, weights_bytes: int, type_k: str, type_v
              + max(_rate(c.kv_fixed, type_k, "kv_fixed"), _rate(c.kv_fixed, type_v, "kv_fixed"))
              + kv_bytes_k / _rate(c.kv_rate, type_k, "kv_rate") + kv_bytes_v / _rate(c.kv_rate, type_v, "kv_rate"))
     t_link = host_kv_bytes / c.link_rate
-    t_split = n_split_layers * c.split_layer_s + split_kv_bytes * c.reassembly_s_per_byte if host_kv_bytes else 0.0
-    return (max(t_gpu, t_link) if c.overlapped else t_gpu + t_link) + t_split
+    t_join = split_kv_bytes * c.reassembly_s_per_byte if host_kv_bytes else 0.0
+    t_steps = n_split_layers * c.split_layer_s if host_kv_bytes else 0.0
+    return (max(t_gpu + t_join, t_link) if c.overlapped else t_gpu + t_join + t_link) + t_steps
 
 
 def plan_cells(plan) -> int:
@@ -325,10 +329,14 @@ def calibrate(points: Iterable[dict], device: str, base: SpeedConstants = H200_D
                                        split_kv_bytes=0)
             except ValueError:
                 continue
-            t_rest = 1 / p["decode_tok_s"] - t_gpu - p["n_split_layers"] * c.split_layer_s \
-                - kv * c.reassembly_s_per_byte
-            if t_rest > 0:
-                links.append(host / t_rest)
+            t_join = kv * c.reassembly_s_per_byte
+            t_rest = 1 / p["decode_tok_s"] - p["n_split_layers"] * c.split_layer_s
+            if c.overlapped:
+                # only a step bound by the link says how fast the link is
+                if t_rest > t_gpu + t_join:
+                    links.append(host / t_rest)
+            elif t_rest - t_gpu - t_join > 0:
+                links.append(host / (t_rest - t_gpu - t_join))
     if links:
         c = replace(c, link_rate=sorted(links)[len(links) // 2])
     if not all(math.isfinite(v) and v > 0 for v in (c.weights_rate, c.link_rate, *c.kv_rate.values())):
