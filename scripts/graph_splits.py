@@ -15,7 +15,7 @@ backend as llama.cpp reports it (it includes the scheduler's staging buffer
 for streamed host inputs, patch 11), per context size. With --rpc N (a build
 with -DGGML_RPC=ON) the layers go to N local RPC servers' devices: on a
 machine without a GPU, with LLAMA_HEADINFER_FORCE_SPLIT=1, this shows how the
-scheduler copies host memory to an offload device (GGML_SCHED_NO_STREAM=1:
+scheduler copies host memory to an offload device (GGML_SCHED_STREAM=0:
 without streaming).
 """
 

@@ -45,7 +45,7 @@ case $part in
 build)
     { time python3 -m pyllama_headinfer build --tools -j 16 -DLLAMA_BUILD_TESTS=ON; } > "$out/build.log" 2>&1
     echo "build exit $?" >> "$out/build.log"
-    { time ninja -C "$bdir" test-backend-ops test-arg-parser; } >> "$out/build.log" 2>&1
+    { time ninja -C "$bdir" test-backend-ops test-arg-parser test-llama-archs; } >> "$out/build.log" 2>&1
     echo "test-backend-ops build exit $?" >> "$out/build.log"
     ;;
 checks)
@@ -56,6 +56,9 @@ checks)
     for op in SET_ROWS CONCAT CPY; do
         "$bdir/bin/test-backend-ops" -o "$op" -b CUDA0 2>&1 | grep -E "OK|FAIL|passed|Backend|tests" | tail -4
     done > "$out/test_backend_ops.txt" 2>&1
+    # patch 0001's regression test (a context shift of a q8_0 K cache without attention rotation)
+    "$bdir/bin/test-llama-archs" -a llama -s 1 > "$out/test_llama_archs.txt" 2>&1
+    echo "test-llama-archs exit $?" >> "$out/test_llama_archs.txt"
     if [ -f scripts/gpu_series_check.sh ]; then
         LLAMA_BUILD_DIR=$bdir bash scripts/gpu_series_check.sh "$bdir" > "$out/series_check.txt" 2>&1
         echo "series check exit $?" >> "$out/series_check.txt"
@@ -79,9 +82,9 @@ stream)
     [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model" > /dev/null
     mkdir -p "$out/json"
     lb dec_8k_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 1
-    LB_ENV=GGML_SCHED_NO_STREAM=1 lb dec_nostream -ctk f16 -ctv f16 -hgf 0.5 -d 8192,32768 -p 0 -n 32 -r 1
+    LB_ENV=GGML_SCHED_STREAM=0 lb dec_nostream -ctk f16 -ctv f16 -hgf 0.5 -d 8192,32768 -p 0 -n 32 -r 1
     { time python3 scripts/graph_splits.py --model "$model" --ctx 8192,32768,131072 --fracs 1,0.5,0.25; } > "$out/splits.txt" 2>&1
-    { echo "== streaming off"; GGML_SCHED_NO_STREAM=1 python3 scripts/graph_splits.py --model "$model" --ctx 131072 --fracs 1,0.5; } >> "$out/splits.txt" 2>&1
+    { echo "== streaming off"; GGML_SCHED_STREAM=0 python3 scripts/graph_splits.py --model "$model" --ctx 131072 --fracs 1,0.5; } >> "$out/splits.txt" 2>&1
     lb dec_128k -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
     lb fill_128k -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -p 131072 -n 0 -r 1 -ub 2048,8192
     tar czf "$out/stream_json.tgz" -C "$out" json && rm -rf "$out/json"

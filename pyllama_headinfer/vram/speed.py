@@ -13,7 +13,7 @@ token, with the context filled to ``depth`` tokens::
     t_steps = n_split_layers * split_layer_s                          the split's fixed cost per step
     t       = max(t_gpu + t_join, t_link) + t_steps   (``overlapped``: the scheduler streams the host heads
                                                        one layer ahead while the GPU computes, patch 0011)
-            = t_gpu + t_join + t_link + t_steps       (copies one after the other, e.g. GGML_SCHED_NO_STREAM=1)
+            = t_gpu + t_join + t_link + t_steps       (copies one after the other, e.g. GGML_SCHED_STREAM=0)
 
 An unquantized cache (f16, bf16, f32) gives the same results whatever the
 fraction: those options are *exact*; q8_0/q4_0 change the numbers.
