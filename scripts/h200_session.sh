@@ -5,14 +5,15 @@
 #   scripts/h200_session.sh OUTDIR checks   # gpu_check --no-cuda-fusion, test-backend-ops, series checks
 #   scripts/h200_session.sh OUTDIR bench    # llama-bench: fractions x KV types at 8K/32K/128K, k-token steps
 #   scripts/h200_session.sh OUTDIR stream   # the data path: decode/fill with streaming on and off, splits, buffers
+#   scripts/h200_session.sh OUTDIR serve    # llama-server: 1/2/4 slots under load, speculative decoding (~6 min)
 #
 # Needs, in the checkout: .gpu-carry/llama.cpp-<pin commit>.tar.gz (a GitHub-style archive of the pin,
 # e.g. the sdist's vendor/llama.cpp packed under llama.cpp-<commit>/), and .whl/ with the wheels of
 # cffi, pycparser and gguf for the machine's python3 (the device tool's README says how).
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|checks|bench|stream}
-part=${2:?usage: $0 OUTDIR build|checks|bench|stream}
+out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve}
+part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -88,5 +89,24 @@ stream)
     lb dec_128k -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
     lb fill_128k -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -p 131072 -n 0 -r 1 -ub 2048,8192
     tar czf "$out/stream_json.tgz" -C "$out" json && rm -rf "$out/json"
+    ;;
+serve)
+    # issue 14.6: the build's llama-server (build part, --tools) driven by scripts/server_bench.py
+    # (openai client if carried in .whl, else the same requests through urllib). Writes
+    # server_load.{md,json}, server_spec.{md,json}, server.log, serve.err.
+    draft=/tmp/d1b.gguf  # Llama-3.2-1B shape, the 8B's vocabulary: a draft llama-server accepts
+    { time { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"
+             [ -f "$draft" ] || python3 scripts/make_bench_model.py --out "$draft" --shape 1b; }; } > "$out/serve.err" 2>&1
+    export PYTHONUNBUFFERED=1
+    sb() { python3 scripts/server_bench.py "$@" --server "$bdir/bin/llama-server" --ngl 99 --server-log "$out/server.log"; }
+    # n distinct 8K prompts on n slots, per-slot streams and one unified cache (10 servers)
+    { time sb load --model "$model" --frac 1,0.5 --slots 1,2,4 --per-slot --unified \
+          --prompt-tokens 8192 --max-tokens 128 --json "$out/server_load.json"; } > "$out/server_load.md" 2>> "$out/serve.err"
+    echo "load exit $?" >> "$out/serve.err"
+    # one 32K prompt, the 1B-shaped draft whole on the device, K = 4 and 8; zero weights tie, so the
+    # acceptance is llama-server's synthetic one (0.8 and 0.6 per token) (10 servers)
+    { time sb spec --model "$model" --draft "$draft" --frac 1,0.5 --draft-max 4,8 --synth-accept 0.8,0.6 \
+          --prompt-tokens 32768 --max-tokens 128 --json "$out/server_spec.json"; } > "$out/server_spec.md" 2>> "$out/serve.err"
+    echo "spec exit $?" >> "$out/serve.err"
     ;;
 esac

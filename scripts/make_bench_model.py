@@ -2,10 +2,15 @@
 """Write a Llama-3-8B-shaped GGUF model for speed benchmarks (weights are zeros).
 
     python scripts/make_bench_model.py --out llama8b-shape-q4_k.gguf [--n-layer 32]
+    python scripts/make_bench_model.py --out draft-1b.gguf --shape 1b   # a draft for speculative decoding
 
 Shape of Llama-3-8B: 32 layers, n_embd 4096, 32 query / 8 KV heads of 128,
 n_ff 14336, vocab 128256; matrices Q4_K, the output Q6_K (as in Q4_K_M),
 norms F32: 4.6 GiB. KV cache: 128 KiB per token in f16.
+
+``--shape 1b``: Llama-3.2-1B's shape (16 layers, n_embd 2048, 32 query / 8 KV
+heads of 64, n_ff 8192), the same vocabulary as the 8B shape, so llama-server
+accepts it as the 8B's draft model (``-md``): 0.7 GiB, KV 32 KiB per token.
 
 The weights' values do not matter for speed, so they are written as zero
 bytes (fast, deterministic, no NaN). The vocabulary is a placeholder SPM
@@ -35,7 +40,8 @@ def quantized_zeros(n_out: int, n_in: int, qtype) -> np.ndarray:
 
 
 def write_bench_model(path: Path, n_layer: int = 32, n_embd: int = 4096, n_head: int = 32, n_head_kv: int = 8,
-                      head_dim: int = 128, n_ff: int = 14336, n_vocab: int = 128256) -> Path:
+                      head_dim: int = 128, n_ff: int = 14336, n_vocab: int = 128256,
+                      label: str = "Llama-3-8B") -> Path:
     import gguf
     from gguf import GGMLQuantizationType as Q
     from gguf import MODEL_TENSOR as T
@@ -52,7 +58,7 @@ def write_bench_model(path: Path, n_layer: int = 32, n_embd: int = 4096, n_head:
 
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), "llama")
-    w.add_name("pyllama-headinfer bench model (Llama-3-8B shape, zero weights)")
+    w.add_name(f"pyllama-headinfer bench model ({label} shape, zero weights)")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     w.add_context_length(131072)
     w.add_embedding_length(n_embd)
@@ -92,12 +98,23 @@ def write_bench_model(path: Path, n_layer: int = 32, n_embd: int = 4096, n_head:
     return finish_gguf(w, tmp, path)
 
 
+SHAPES = {  # write_bench_model's arguments
+    "8b": dict(n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_ff=14336, label="Llama-3-8B"),
+    "1b": dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, head_dim=64, n_ff=8192, label="Llama-3.2-1B"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--n-layer", type=int, default=32)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b",
+                    help="8b: Llama-3-8B (default); 1b: Llama-3.2-1B, a draft model with the same vocabulary")
+    ap.add_argument("--n-layer", type=int, default=None, help="layers (default: the shape's)")
     args = ap.parse_args(argv)
-    path = write_bench_model(args.out, n_layer=args.n_layer)
+    shape = dict(SHAPES[args.shape])
+    if args.n_layer is not None:
+        shape["n_layer"] = args.n_layer
+    path = write_bench_model(args.out, **shape)
     print(f"{path} ({path.stat().st_size / 2**30:.2f} GiB)")
     return 0
 

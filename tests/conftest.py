@@ -293,6 +293,25 @@ def built():
 
 
 @pytest.fixture(scope="session")
+def server_binary(built) -> Path:
+    """llama-server of the build the bindings use (the checkout's build/cpu in CI), built with
+    --tools when it has none (~7 min on 2 cores)."""
+    from pyllama_headinfer.build import build as B
+    from pyllama_headinfer.cli import serve as serve_cli
+    from pyllama_headinfer.runtime.manifest import find_manifest, read_manifest
+
+    manifest = find_manifest()
+    bdir = manifest.build_dir
+    path = (manifest.data.get("executables") or {}).get(serve_cli.SERVER)
+    if not path or not Path(path).is_file():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(paths.CACHE_ENV, str(REAL_CACHE))
+            B.build(build_dir=bdir, cuda=False, tools=True)
+        path = read_manifest(bdir).data["executables"][serve_cli.SERVER]
+    return Path(path)
+
+
+@pytest.fixture(scope="session")
 def llama(built):
     """The pyllama_headinfer.llama module, once the bindings load."""
     from pyllama_headinfer import llama

@@ -8,7 +8,7 @@ saved slot files -- must be identical between the two. Requests are few and
 short; each server is stopped by the test that started it.
 
 llama-server comes from ``build --tools`` in the checkout's ``build/cpu``
-(the fixture builds the tools when they are missing: ~7 min on 2 cores).
+(conftest's ``server_binary`` builds the tools when they are missing: ~7 min on 2 cores).
 """
 
 from __future__ import annotations
@@ -23,32 +23,13 @@ from pathlib import Path
 import openai
 import pytest
 
-from pyllama_headinfer import paths
-from pyllama_headinfer.build import build as B
 from pyllama_headinfer.cli import serve as serve_cli
 from pyllama_headinfer.errors import ServeError
-from pyllama_headinfer.runtime.manifest import find_manifest, read_manifest
 from testing_models import CORPUS
 
 FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
-REAL_CACHE = paths.cache_dir()
 N_CTX = 512  # two slots of 256 cells
 PROMPT = CORPUS[:160]
-
-
-@pytest.fixture(scope="module")
-def server_binary(built) -> Path:
-    """llama-server of the build the bindings use (the checkout's build/cpu in CI), built with
-    --tools when it has none."""
-    manifest = find_manifest()
-    bdir = manifest.build_dir
-    path = (manifest.data.get("executables") or {}).get(serve_cli.SERVER)
-    if not path or not Path(path).is_file():
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(paths.CACHE_ENV, str(REAL_CACHE))
-            B.build(build_dir=bdir, cuda=False, tools=True)
-        path = read_manifest(bdir).data["executables"][serve_cli.SERVER]
-    return Path(path)
 
 
 def free_port() -> int:
@@ -209,16 +190,22 @@ def test_draft_model_keeps_its_kv_whole(server_binary, gguf_models, tmp_path):
     """Speculative decoding with a draft (issue 14.2): the target splits, the draft does not;
     greedy answers equal those without a draft."""
     model = gguf_models["llama-gqa"]
-    texts, lines = {}, {}
-    # -lv 4: llama.cpp's INFO lines, where each KV cache says how many of its layers it split
-    for name, extra in (("plain", ("-lv", "4")), ("draft", ("-lv", "4", "-md", str(model), "--spec-draft-n-max", "4"))):
+    texts, lines, timings = {}, {}, {}
+    # -lv 4: llama.cpp's INFO lines, where each KV cache says how many of its layers it split;
+    # --spec-type draft-simple: at the pin a plain draft model (-md) drafts only when asked to
+    draft = ("-md", str(model), "--spec-type", "draft-simple", "--spec-draft-n-max", "4")
+    for name, extra in (("plain", ("-lv", "4")), ("draft", ("-lv", "4", *draft))):
         (tmp_path / name).mkdir()
         server = Server(server_binary, model, 0.5, tmp_path / name, extra=extra)
         try:
-            texts[name] = server.post("/completion", {"prompt": PROMPT, "n_predict": 24, "temperature": 0,
-                                                      "return_tokens": True})["tokens"]
+            answer = server.post("/completion", {"prompt": PROMPT, "n_predict": 24, "temperature": 0,
+                                                 "return_tokens": True})
+            texts[name], timings[name] = answer["tokens"], answer["timings"]
             lines[name] = [line for line in server.pump.headinfer if "split" in line]
         finally:
             server.stop()
     assert texts["draft"] == texts["plain"]
+    # the model drafts for itself: the server drafted, and the target accepted (almost) everything
+    assert "draft_n" not in timings["plain"] and timings["draft"]["draft_n"] >= 4
+    assert timings["draft"]["draft_n_accepted"] > 0.9 * timings["draft"]["draft_n"], timings["draft"]
     assert len(lines["draft"]) == len(lines["plain"]) >= 1, lines  # no second split line: the draft's context
