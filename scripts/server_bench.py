@@ -29,7 +29,7 @@ layouts are the same cache (one stream), so one server runs ("1 stream").
 
 spec: one slot (``-np 1``), the target split by ``--frac``, the draft model (``-md``,
 ``--spec-type draft-simple --spec-draft-n-max K``: at this pin a plain draft model drafts only
-with --spec-type) whole on the device (patch 0010); one request per server, the same two
+with --spec-type) whole on the device (patch 0016); one request per server, the same two
 phases. Rows: no draft, then each K, at each fraction; tok/s, draft tokens proposed and
 accepted (the server's draft_n / draft_n_accepted), acceptance, speed-up over no draft at the
 same fraction. ``--synth-accept A[,A...]`` turns on llama-server's synthetic acceptance

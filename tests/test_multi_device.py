@@ -42,7 +42,7 @@ def rpc_build(built) -> Path:
 def gpu_check(rpc_build: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYLLAMA_HEADINFER_BUILD_DIR=str(rpc_build), PYTHONPATH=str(ROOT))
     # the scheduler streams host memory to RPC devices only when asked (they have no pinned host buffer type, so
-    # there is nothing to gain): asked here, so that the check covers the streamed path (patch 0011) too
+    # there is nothing to gain): asked here, so that the check covers the streamed path (patch 0017) too
     env.setdefault("GGML_SCHED_STREAM", "1")
     # RPC devices have no pinned host buffer type, so llama.cpp does not split their layers (the host heads would
     # cross the network at every step); the testing knob splits them anyway, to run the split on two devices

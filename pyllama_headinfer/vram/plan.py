@@ -27,7 +27,7 @@ they come from:
   CPU; a missing ``output.weight`` (tied embeddings) is duplicated from
   token_embd onto the output layer's device -- src/llama-model.cpp,
   ``load_tensors`` / ``create_tensor``;
-* the split (patch 0002, ``headinfer_n_head_resident``): an offloaded layer
+* the split (patch 0011, ``headinfer_n_head_resident``): an offloaded layer
   with a non-transposed V cache (flash attention), two or more KV heads and
   a head size that is a multiple of the KV types' block size keeps
   ``clamp(lround(f * n_head_kv), 1, n_head_kv - 1)`` heads for ``f < 1``;
