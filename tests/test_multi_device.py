@@ -39,16 +39,27 @@ def rpc_build(built) -> Path:
     return directory
 
 
-def gpu_check(rpc_build: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYLLAMA_HEADINFER_BUILD_DIR=str(rpc_build), PYTHONPATH=str(ROOT))
+def rpc_env(rpc_build: Path) -> dict:
+    """The environment of a child process that uses the RPC build and this checkout."""
+    return dict(os.environ, PYLLAMA_HEADINFER_BUILD_DIR=str(rpc_build), PYTHONPATH=str(ROOT))
+
+
+def run_split_script(rpc_build: Path, script: str, *args: str, stream: bool = True,
+                     timeout: float = 600) -> subprocess.CompletedProcess:
+    """scripts/<script> with the RPC build, its layers split."""
+    env = rpc_env(rpc_build)
     # the scheduler streams host memory to RPC devices only when asked (they have no pinned host buffer type, so
-    # there is nothing to gain): asked here, so that the check covers the streamed path (patch 0017) too
-    env.setdefault("GGML_SCHED_STREAM", "1")
+    # there is nothing to gain): asked by default, so that the checks cover the streamed path (patch 0017) too
+    env["GGML_SCHED_STREAM"] = "1" if stream else "0"
     # RPC devices have no pinned host buffer type, so llama.cpp does not split their layers (the host heads would
-    # cross the network at every step); the testing knob splits them anyway, to run the split on two devices
+    # cross the network at every step); the testing knob splits them anyway, to run the split on RPC devices
     env["LLAMA_HEADINFER_FORCE_SPLIT"] = "1"
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--rpc", "2", "--no-8b-heads",
-                           *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+def gpu_check(rpc_build: Path, *args: str, stream: bool = True) -> subprocess.CompletedProcess:
+    return run_split_script(rpc_build, "gpu_check.py", "--rpc", "2", "--no-8b-heads", *args, stream=stream)
 
 
 def test_layer_split_over_two_devices_is_bit_exact(rpc_build):
@@ -89,8 +100,7 @@ def test_unreachable_rpc_server_is_an_error_not_an_abort(rpc_build):
             "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
             "try:\n    rpc_add_server(f'127.0.0.1:{port}')\n"
             "except HeadInferError as exc:\n    print('refused:', exc)\n")
-    env = dict(os.environ, PYLLAMA_HEADINFER_BUILD_DIR=str(rpc_build), PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=rpc_env(rpc_build), timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "refused: cannot reach the RPC server 127.0.0.1:" in run.stdout
 
@@ -128,11 +138,8 @@ def test_model_placement_arguments_are_checked(llama, gguf_models):
 
 def graph_report(rpc_build: Path, model: Path, n_ctx: int, no_stream: bool) -> dict[float, tuple[int, int, float]]:
     """frac -> (split layers, decode splits, RPC compute buffer MiB), from scripts/graph_splits.py on one RPC device."""
-    env = dict(os.environ, PYLLAMA_HEADINFER_BUILD_DIR=str(rpc_build), PYTHONPATH=str(ROOT), LLAMA_HEADINFER_FORCE_SPLIT="1")
-    env["GGML_SCHED_STREAM"] = "0" if no_stream else "1"
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "graph_splits.py"), "--model", str(model), "--rpc", "1",
-                          "--ctx", str(n_ctx), "--fracs", "1,0.5"], cwd=ROOT, capture_output=True, text=True, env=env,
-                         timeout=300)
+    run = run_split_script(rpc_build, "graph_splits.py", "--model", str(model), "--rpc", "1", "--ctx", str(n_ctx),
+                           "--fracs", "1,0.5", stream=not no_stream, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = {}
     for line in run.stdout.splitlines():
@@ -149,13 +156,10 @@ def test_host_heads_are_copied_one_layer_at_a_time(rpc_build, tmp_path):
     scheduler streams them ahead or copies them when the split starts), so the device's transient memory is one
     layer's worth, the same for a 3- and an 8-layer model. Copying them all in one split (the host stores run at the
     end of the graph, so nothing else cuts it) would grow it with the layer count: 8.6 GiB at 128K on an 8B model."""
-    import dataclasses
+    from testing_models import SPECS, with_layers, write_model
 
-    from testing_models import SPECS, write_model
-
-    spec3 = SPECS["llama-gqa"]
-    spec8 = dataclasses.replace(spec3, name="llama-gqa-8l", n_layer=8)
-    models = {spec.n_layer: write_model(spec, tmp_path / spec.filename) for spec in (spec3, spec8)}
+    models = {spec.n_layer: write_model(spec, tmp_path / spec.filename)
+              for spec in (SPECS["llama-gqa"], with_layers(SPECS["llama-gqa"], 8))}
     # one layer's K and V at 16K: 2 x 16384 x 4 heads x 64 x 2 bytes = 16 MiB, half of it in host memory: copying
     # every layer's host half at once would add 8 MiB per layer. What does grow with the layers are the converted
     # rows that wait for the host stores at the end of the graph: 512 tokens (the reserved ubatch) x 2 host heads x
@@ -176,8 +180,7 @@ def test_host_heads_are_copied_one_layer_at_a_time(rpc_build, tmp_path):
     assert growth[False, 3] >= growth[True, 3] + host_half_mib / 2, growth
 
 
-def test_layer_split_is_bit_exact_without_streaming(rpc_build, monkeypatch):
+def test_layer_split_is_bit_exact_without_streaming(rpc_build):
     """The same bytes reach the device when the scheduler copies the host heads as each split starts."""
-    monkeypatch.setenv("GGML_SCHED_STREAM", "0")
-    run = gpu_check(rpc_build, "--types", "f16", "--fracs", "0.5")
+    run = gpu_check(rpc_build, "--types", "f16", "--fracs", "0.5", stream=False)
     assert run.returncode == 0 and run.stdout.rstrip().endswith("all checks passed"), run.stdout[-3000:] + run.stderr[-2000:]

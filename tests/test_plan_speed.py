@@ -103,11 +103,9 @@ def budget_between(tmp_path_factory):
     """A budget where the whole f16 cache does not fit but the whole q8_0 cache does. The model has 12 layers:
     a split keeps two layers' host halves in the scheduler's staging buffer, which on a 3-layer model would cost
     more than the split saves (on the 8B shape: 2 of 32 layers)."""
-    import dataclasses
+    from testing_models import SPECS, with_layers, write_model
 
-    from testing_models import SPECS, write_model
-
-    spec = dataclasses.replace(SPECS["llama-gqa"], name="llama-gqa-12l", n_layer=12)
+    spec = with_layers(SPECS["llama-gqa"], 12)
     model = write_model(spec, tmp_path_factory.mktemp("models") / spec.filename)
     f16 = plan_kv(model, ContextParams(n_ctx=32768), n_gpu_layers=-1).rows[-1].device_total
     q8 = plan_kv(model, ContextParams(n_ctx=32768, type_k="q8_0", type_v="q8_0"),

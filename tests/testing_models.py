@@ -30,7 +30,7 @@ import json
 import os
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterable
 
@@ -278,6 +278,11 @@ def finish_gguf(writer, tmp: Path, path: Path) -> Path:
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def with_layers(spec: ModelSpec, n_layer: int) -> ModelSpec:
+    """``spec`` with another layer count (its own name, so its own file)."""
+    return replace(spec, name=f"{spec.name}-{n_layer}l", n_layer=n_layer)
 
 
 def write_model(spec: ModelSpec, path: Path) -> Path:
