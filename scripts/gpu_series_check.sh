@@ -50,9 +50,9 @@ done
 
 # 3. the split on the GPU, as llama.cpp logs it
 MODEL=$TMP/llama-gqa.gguf
-PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} ${PYTHON:-python3} -c "
+PYTHONPATH=$ROOT:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH} ${PYTHON:-python3} -c "
 from pathlib import Path
-from pyllama_headinfer.testing_models import SPECS, write_model
+from testing_models import SPECS, write_model
 write_model(SPECS['llama-gqa'], Path('$MODEL'))" || { report "write the test model" 1; exit 1; }
 
 bench() {  # bench LOG [ENV...] -- [ARGS...]: llama-bench -v on the tiny model, one short run
