@@ -2,7 +2,7 @@
 """How many scheduler splits the HeadInfer split adds to llama.cpp's graphs.
 
     python scripts/graph_splits.py --model M.gguf [--ngl 99] [--fracs 1,0.75,0.5,0.25] [--ctx 4096[,32768,...]] [--type f16]
-                                   [--rpc N]
+                                   [--rpc N] [--streams N]
 
 For each fraction a context is created and llama.cpp's own report of its
 reserved graphs is read from the log ("graph (pp bs=512, tg bs=1): nodes = ...,
@@ -16,7 +16,8 @@ for streamed host inputs, patch 17), per context size. With --rpc N (a build
 with -DGGML_RPC=ON) the layers go to N local RPC servers' devices: on a
 machine without a GPU, with LLAMA_HEADINFER_FORCE_SPLIT=1, this shows how the
 scheduler copies host memory to an offload device (GGML_SCHED_STREAM=0:
-without streaming).
+without streaming). With --streams N the context has N sequences with one
+KV stream each (kv_unified = false, llama-server's slots with -np N).
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ SPLITS_RE = re.compile(r"graph.*: nodes = (\d+)(?: / (\d+))?, splits = (\d+)(?: 
 COMPUTE_RE = re.compile(r"(\S+) compute buffer size = +([0-9.]+) MiB")
 
 
-def graph_splits(model: Model, frac: float, n_ctx: int, kv_type: str) -> tuple[int, int, int, int, dict[str, float]]:
+def graph_splits(model: Model, frac: float, n_ctx: int, kv_type: str,
+                 n_streams: int = 1) -> tuple[int, int, int, int, dict[str, float]]:
     """(splits pp, splits tg, nodes tg, split layers, {backend: compute buffer MiB}) of the context's reserved graphs."""
+    streams = {"n_seq_max": n_streams, "kv_unified": False} if n_streams > 1 else {}
     with capture_log() as log, Context(model, n_ctx=n_ctx, flash_attn=True, type_k=kv_type, type_v=kv_type,
-                                                headinfer_gpu_heads_frac=frac) as ctx:
+                                                headinfer_gpu_heads_frac=frac, **streams) as ctx:
         report = ctx.kv_residency() or {"layers": []}
     n_split = sum(1 for x in report["layers"] if x["n_head_resident"] < x["n_head_kv"])
     compute = {m.group(1): float(m.group(2)) for _, text in log for m in [COMPUTE_RE.search(text)] if m}
@@ -61,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", default="4096", help="context sizes, comma-separated")
     ap.add_argument("--type", default="f16", help="KV type (K and V)")
     ap.add_argument("--rpc", type=int, default=0, metavar="N", help="spread the layers over N local RPC servers' devices")
+    ap.add_argument("--streams", type=int, default=1, metavar="N",
+                    help="N sequences, one KV stream each (kv_unified = false, as llama-server's -np N)")
     args = ap.parse_args(argv)
     logging.getLogger("pyllama_headinfer.llama").setLevel(logging.INFO)
 
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         for n_ctx in (int(c) for c in args.ctx.split(",")):
             base_tg = None
             for frac in (float(f) for f in args.fracs.split(",")):
-                pp, tg, nodes, n_split, compute = graph_splits(model, frac, n_ctx, args.type)
+                pp, tg, nodes, n_split, compute = graph_splits(model, frac, n_ctx, args.type, args.streams)
                 base_tg = tg if base_tg is None else base_tg
                 extra = f"{(tg - base_tg) / n_split:.2f}" if n_split else "-"
                 buffers = ", ".join(f"{name} {mib:.1f}" for name, mib in compute.items())

@@ -45,9 +45,10 @@ def rpc_env(rpc_build: Path) -> dict:
 
 
 def run_split_script(rpc_build: Path, script: str, *args: str, stream: bool = True,
-                     timeout: float = 600) -> subprocess.CompletedProcess:
-    """scripts/<script> with the RPC build, its layers split."""
+                     timeout: float = 600, attn: str = "joined") -> subprocess.CompletedProcess:
+    """scripts/<script> with the RPC build, its layers split, their heads read ``attn`` (LLAMA_HEADINFER_ATTN)."""
     env = rpc_env(rpc_build)
+    env["LLAMA_HEADINFER_ATTN"] = attn
     # the scheduler streams host memory to RPC devices only when asked (they have no pinned host buffer type, so
     # there is nothing to gain): asked by default, so that the checks cover the streamed path (patch 0017) too
     env["GGML_SCHED_STREAM"] = "1" if stream else "0"
@@ -58,8 +59,8 @@ def run_split_script(rpc_build: Path, script: str, *args: str, stream: bool = Tr
                           text=True, env=env, timeout=timeout)
 
 
-def gpu_check(rpc_build: Path, *args: str, stream: bool = True) -> subprocess.CompletedProcess:
-    return run_split_script(rpc_build, "gpu_check.py", "--rpc", "2", "--no-8b-heads", *args, stream=stream)
+def gpu_check(rpc_build: Path, *args: str, stream: bool = True, attn: str = "joined") -> subprocess.CompletedProcess:
+    return run_split_script(rpc_build, "gpu_check.py", "--rpc", "2", "--no-8b-heads", *args, stream=stream, attn=attn)
 
 
 def test_layer_split_over_two_devices_is_bit_exact(rpc_build):
@@ -136,10 +137,11 @@ def test_model_placement_arguments_are_checked(llama, gguf_models):
         assert model.n_vocab > 0
 
 
-def graph_report(rpc_build: Path, model: Path, n_ctx: int, no_stream: bool) -> dict[float, tuple[int, int, float]]:
+def graph_report(rpc_build: Path, model: Path, n_ctx: int, no_stream: bool,
+                 n_streams: int = 1) -> dict[float, tuple[int, int, float]]:
     """frac -> (split layers, decode splits, RPC compute buffer MiB), from scripts/graph_splits.py on one RPC device."""
     run = run_split_script(rpc_build, "graph_splits.py", "--model", str(model), "--rpc", "1", "--ctx", str(n_ctx),
-                           "--fracs", "1,0.5", stream=not no_stream, timeout=300)
+                           "--fracs", "1,0.5", "--streams", str(n_streams), stream=not no_stream, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = {}
     for line in run.stdout.splitlines():
@@ -180,7 +182,24 @@ def test_host_heads_are_copied_one_layer_at_a_time(rpc_build, tmp_path):
     assert growth[False, 3] >= growth[True, 3] + host_half_mib / 2, growth
 
 
+def test_host_stores_run_last_with_one_kv_stream_per_sequence(rpc_build, gguf_models):
+    """With one KV stream per sequence (kv_unified = false, llama-server's -np N) the host stores run at the end of the
+    graph too: one split per split layer, as with one stream (the rows of each stream are written into the joined
+    heads at their own indices, which the exactness checks of several streams in test_kv_features verify)."""
+    report = graph_report(rpc_build, gguf_models["llama-gqa"], 4096, False, n_streams=2)
+    (split0, splits0, _), (split1, splits1, _) = report[1.0], report[0.5]
+    assert split0 == 0 and split1 == 3
+    assert splits1 == splits0 + split1
+
+
 def test_layer_split_is_bit_exact_without_streaming(rpc_build):
     """The same bytes reach the device when the scheduler copies the host heads as each split starts."""
     run = gpu_check(rpc_build, "--types", "f16", "--fracs", "0.5", stream=False)
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("all checks passed"), run.stdout[-3000:] + run.stderr[-2000:]
+
+
+def test_layer_split_is_bit_exact_attending_per_part(rpc_build):
+    """LLAMA_HEADINFER_ATTN=parts (patch 0018): the resident heads on the device where they live, the streamed host
+    heads where they were staged, one attention each; the CPU backend of the RPC devices gives the same bits."""
+    run = gpu_check(rpc_build, "--types", "f16,q8_0", "--fracs", "0.5", attn="parts")
     assert run.returncode == 0 and run.stdout.rstrip().endswith("all checks passed"), run.stdout[-3000:] + run.stderr[-2000:]

@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""How far is the attention per part (LLAMA_HEADINFER_ATTN=parts) from the joined heads?
+
+    python scripts/attn_parts_compare.py [--fracs 0.75,0.5,0.25] [--types f16,q8_0] [--steps 32] [--ngl 99]
+                                         [--no-8b-heads] [--no-cuda-fusion]
+
+A split layer attends to its heads either joined (one K and V, the default:
+bit-identical to the unsplit cache on every backend) or per part (patch 0018:
+the resident heads where they live, the host heads where they were staged,
+two attentions whose outputs are joined). The values are the same; a backend
+whose flash attention partitions its work by the number of heads may sum in
+another order. For every GPU check model (the test models and the one with
+Llama-3-8B's attention geometry) x KV type x fraction: a greedy decode with
+the joined heads, then the same tokens decoded with the heads per part (so
+every step sees the same context), and prints the largest |delta logit| over
+all steps and vocabulary, and the share of steps whose greedy token agrees.
+Also how each compares with frac 1.0. Exit status 0 whatever the difference
+(a measurement, not a check); 1 only if something failed to run. On the CPU
+(LLAMA_HEADINFER_FORCE_SPLIT=1) every difference is 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # testing_models: the test-model writers
+
+import testing_models  # noqa: E402
+from pyllama_headinfer.llama import Context, Model  # noqa: E402
+from pyllama_headinfer.runtime.log import capture_log  # noqa: E402
+
+ATTN_ENV = "LLAMA_HEADINFER_ATTN"  # read by llama.cpp when a context creates its KV cache
+PARTS_LOG = "attend to their resident and host heads separately"  # llama.cpp's line when the parts mode is on
+N_PROMPT = 48
+
+
+def decode(model: Model, frac: float, kv_type: str, mode: str, prompt: list[int], steps: int,
+           forced: list[int] | None = None) -> tuple[list[int], np.ndarray]:
+    """(greedy tokens, logits of every step [steps + 1, n_vocab]); with ``forced`` those tokens are decoded."""
+    os.environ[ATTN_ENV] = mode
+    with capture_log() as log, Context(model, n_ctx=256, flash_attn=True, type_k=kv_type, type_v=kv_type,
+                                       headinfer_gpu_heads_frac=frac) as ctx:
+        if (mode == "parts") != any(PARTS_LOG in text for _, text in log):
+            raise RuntimeError(f"{ATTN_ENV}={mode}, frac {frac}: llama.cpp's log does not say so "
+                               "(a build without patch 0018, or no layer split?)")
+        ctx.decode(prompt)
+        logits = [ctx.logits(-1)]
+        tokens = []
+        for i in range(steps):
+            tokens.append(int(np.argmax(logits[-1])) if forced is None else forced[i])
+            ctx.decode([tokens[-1]])
+            logits.append(ctx.logits(-1))
+    return tokens, np.stack(logits)
+
+
+def compare(a: np.ndarray, b: np.ndarray) -> str:
+    same = np.array_equal(a, b)
+    delta = float(np.abs(a.astype(np.float64) - b).max())
+    agree = float(np.mean(np.argmax(a, axis=1) == np.argmax(b, axis=1)))
+    return f"{'identical' if same else 'differs'} max|d| {delta:.3g} greedy agreement {agree:.1%}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fracs", default="0.75,0.5,0.25")
+    ap.add_argument("--types", default="f16,q8_0", help="KV types (K and V)")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps after the prompt")
+    ap.add_argument("--ngl", type=int, default=99)
+    ap.add_argument("--no-8b-heads", dest="with_8b_heads", action="store_false",
+                    help="skip the model with Llama-3-8B's attention geometry")
+    ap.add_argument("--no-cuda-fusion", action="store_true", help="set GGML_CUDA_DISABLE_FUSION=1 (docs/GPU.md)")
+    args = ap.parse_args(argv)
+    logging.getLogger("pyllama_headinfer.llama").setLevel(logging.INFO)  # the split's INFO lines reach the capture
+    if args.no_cuda_fusion:
+        os.environ["GGML_CUDA_DISABLE_FUSION"] = "1"
+
+    models_dir = Path(tempfile.mkdtemp(prefix="headinfer-models-"))
+    paths = testing_models.write_test_models(models_dir)
+    if args.with_8b_heads:
+        paths.update(testing_models.ensure_gpu_models(models_dir, ["llama-8b-heads"]))
+    print(f"{'model':<16} {'kv':<5} {'frac':>5}  parts vs joined / parts vs frac 1.0")
+    try:
+        compare_models(paths, args)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def compare_models(paths: dict[str, Path], args) -> None:
+    for name, path in paths.items():
+        with Model(path, n_gpu_layers=args.ngl) as model:
+            prompt = model.tokenize(testing_models.CORPUS)[:N_PROMPT]
+            for kv_type in args.types.split(","):
+                base_tokens, base = decode(model, 1.0, kv_type, "joined", prompt, args.steps)
+                for frac in (float(f) for f in args.fracs.split(",")):
+                    _, joined = decode(model, frac, kv_type, "joined", prompt, args.steps, base_tokens)
+                    _, parts = decode(model, frac, kv_type, "parts", prompt, args.steps, base_tokens)
+                    print(f"{name:<16} {kv_type:<5} {frac:>5g}  {compare(joined, parts)} / {compare(base, parts)}"
+                          f"{'' if np.array_equal(joined, base) else ' (joined differs from frac 1.0)'}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
