@@ -5,15 +5,16 @@
 #   scripts/h200_session.sh OUTDIR checks   # gpu_check --no-cuda-fusion, test-backend-ops, series checks
 #   scripts/h200_session.sh OUTDIR bench    # llama-bench: fractions x KV types at 8K/32K/128K, k-token steps
 #   scripts/h200_session.sh OUTDIR stream   # the data path: decode/fill with streaming on and off, splits, buffers
-#   scripts/h200_session.sh OUTDIR serve    # llama-server: 1/2/4 slots under load, speculative decoding (~6 min)
+#   scripts/h200_session.sh OUTDIR serve    # llama-server: 1/2/4 slots under load, speculative decoding (~4 min)
+#   scripts/h200_session.sh OUTDIR streams  # per-slot streams, attention per part: exactness, decode, buffers, slots (~7 min)
 #
 # Needs, in the checkout: .gpu-carry/llama.cpp-<pin commit>.tar.gz (a GitHub-style archive of the pin,
 # e.g. the sdist's vendor/llama.cpp packed under llama.cpp-<commit>/), and .whl/ with the wheels of
 # cffi, pycparser and gguf for the machine's python3 (the device tool's README says how).
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve}
-part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve}
+out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams}
+part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -28,11 +29,18 @@ bdir=$root/build/cuda-sm90
 bench=$bdir/bin/llama-bench
 model=/tmp/b8.gguf
 
+# HI_DEADLINE (epoch seconds, optional): every step of a part stops by then (the device's per-call limit)
+tl() {
+    local left=$(( ${HI_DEADLINE:-$(( $(date +%s) + 100000 ))} - $(date +%s) ))
+    if [ "$left" -le 5 ]; then echo "skipped (deadline): $*" >&2; return 124; fi
+    timeout "$left" "$@"
+}
+
 lb() {  # name, then llama-bench arguments: markdown to bench.md, JSON kept for the speed model check
     local name=$1
     shift
-    echo "== $name: ${LB_ENV:-} llama-bench -m b8.gguf -ngl 99 -fa 1 $*" >> "$out/bench.md"
-    env ${LB_ENV:-} "$bench" -m "$model" -ngl 99 -fa 1 "$@" -o json > "$out/json/$name.json" 2>> "$out/bench.err"
+    echo "== $name: ${LB_ENV:-} llama-bench -m $(basename "$model") -ngl 99 -fa 1 $*" >> "$out/bench.md"
+    tl env ${LB_ENV:-} "$bench" -m "$model" -ngl 99 -fa 1 "$@" -o json > "$out/json/$name.json" 2>> "$out/bench.err"
     python3 - "$out/json/$name.json" >> "$out/bench.md" <<'EOF'
 import json, sys
 text = open(sys.argv[1]).read()
@@ -43,11 +51,16 @@ EOF
 }
 
 case $part in
-build)
-    { time python3 -m pyllama_headinfer build --tools -j 16 -DLLAMA_BUILD_TESTS=ON; } > "$out/build.log" 2>&1
-    echo "build exit $?" >> "$out/build.log"
-    { time ninja -C "$bdir" test-backend-ops test-arg-parser test-llama-archs; } >> "$out/build.log" 2>&1
-    echo "test-backend-ops build exit $?" >> "$out/build.log"
+build)  # HI_BUILD_TESTS=0: the library and tools only (no test-backend-ops etc., ~40 s less)
+    if [ "${HI_BUILD_TESTS:-1}" = 0 ]; then
+        { time python3 -m pyllama_headinfer build --tools -j 16; } > "$out/build.log" 2>&1
+        echo "build exit $?" >> "$out/build.log"
+    else
+        { time python3 -m pyllama_headinfer build --tools -j 16 -DLLAMA_BUILD_TESTS=ON; } > "$out/build.log" 2>&1
+        echo "build exit $?" >> "$out/build.log"
+        { time ninja -C "$bdir" test-backend-ops test-arg-parser test-llama-archs; } >> "$out/build.log" 2>&1
+        echo "test-backend-ops build exit $?" >> "$out/build.log"
+    fi
     ;;
 checks)
     export GGML_CUDA_DISABLE_FUSION=1
@@ -108,5 +121,42 @@ serve)
     { time sb spec --model "$model" --draft "$draft" --frac 1,0.5 --draft-max 4,8 --synth-accept 0.8,0.6 \
           --prompt-tokens 32768 --max-tokens 128 --json "$out/server_spec.json"; } > "$out/server_spec.md" 2>> "$out/serve.err"
     echo "spec exit $?" >> "$out/serve.err"
+    ;;
+streams)
+    # the series after the 2026-12-03 review: the host stores run last with one KV stream per slot too (patch 0007),
+    # and the split layers' heads can be attended per part (patch 0018, LLAMA_HEADINFER_ATTN=parts). Exactness with
+    # fusion off (joined: bit-identical; parts: how far), decode joined vs parts, compute buffers, slots under load,
+    # and one decode step of the 1B-shaped draft at 32K (the speculative loop's drafting). ~5 min; by priority.
+    draft=/tmp/d1b.gguf
+    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"
+      [ -f "$draft" ] || python3 scripts/make_bench_model.py --out "$draft" --shape 1b; } > "$out/streams.err" 2>&1
+    export GGML_CUDA_DISABLE_FUSION=1
+    for attn in joined parts; do
+        echo "== LLAMA_HEADINFER_ATTN=$attn GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion"
+        LLAMA_HEADINFER_ATTN=$attn tl python3 scripts/gpu_check.py --no-cuda-fusion 2>&1 | grep -v "ggml_cuda_init\|Device 0"
+        echo "gpu_check exit ${PIPESTATUS[0]}"
+    done > "$out/gpu_check.txt"
+    { echo "== GGML_CUDA_DISABLE_FUSION=1 python3 scripts/attn_parts_compare.py --no-cuda-fusion"
+      tl python3 scripts/attn_parts_compare.py --no-cuda-fusion 2>&1 | grep -v "ggml_cuda_init\|Device 0"; } > "$out/attn_parts.txt"
+    unset GGML_CUDA_DISABLE_FUSION
+    mkdir -p "$out/json"
+    lb dec_joined -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 1
+    LB_ENV=LLAMA_HEADINFER_ATTN=parts lb dec_parts -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 1
+    { for attn in joined parts; do
+          echo "== LLAMA_HEADINFER_ATTN=$attn python3 scripts/graph_splits.py --ctx 8192,32768,131072 --fracs 1,0.75,0.5,0.25"
+          LLAMA_HEADINFER_ATTN=$attn tl python3 scripts/graph_splits.py --model "$model" --ctx 8192,32768,131072 --fracs 1,0.75,0.5,0.25
+      done
+      echo "== python3 scripts/graph_splits.py --ctx 32768 --fracs 1,0.5 --streams 4"
+      tl python3 scripts/graph_splits.py --model "$model" --ctx 32768 --fracs 1,0.5 --streams 4; } > "$out/splits.txt" 2>> "$out/streams.err"
+    model=$draft lb draft_32k -ctk f16 -ctv f16 -hgf 1 -d 32768 -p 0 -n 32 -r 1
+    export PYTHONUNBUFFERED=1
+    { time tl python3 scripts/server_bench.py load --model "$model" --frac 0.5 --slots 1,2,4 --per-slot --unified \
+          --prompt-tokens 8192 --max-tokens 128 --json "$out/server_load.json" --server "$bdir/bin/llama-server" \
+          --ngl 99 --server-log "$out/server.log"; } > "$out/server_load.md" 2>> "$out/streams.err"
+    echo "load exit $?" >> "$out/streams.err"
+    LB_ENV=LLAMA_HEADINFER_ATTN=parts lb dec_128k_parts -ctk f16 -ctv f16 -hgf 0.5 -d 131072 -p 0 -n 16 -r 1 -ub 2048
+    # the device tool brings back 8 files: the tables stay, the rest is packed
+    tar czf "$out/raw.tgz" -C "$out" json server.log server_load.json bench.err streams.err 2>/dev/null
+    rm -rf "$out/json" "$out/server.log" "$out/server_load.json" "$out/bench.err" "$out/streams.err"
     ;;
 esac
