@@ -2,7 +2,7 @@
 """How far is the attention per part (LLAMA_HEADINFER_ATTN=parts) from the joined heads?
 
     python scripts/attn_parts_compare.py [--fracs 0.75,0.5,0.25] [--types f16,q8_0] [--steps 32] [--ngl 99]
-                                         [--no-8b-heads] [--no-cuda-fusion]
+                                         [--depth 48] [--no-8b-heads] [--no-cuda-fusion]
 
 A split layer attends to its heads either joined (one K and V, the default:
 bit-identical to the unsplit cache on every backend) or per part (patch 0018:
@@ -14,7 +14,9 @@ Llama-3-8B's attention geometry) x KV type x fraction: a greedy decode with
 the joined heads, then the same tokens decoded with the heads per part (so
 every step sees the same context), and prints the largest |delta logit| over
 all steps and vocabulary, and the share of steps whose greedy token agrees.
-Also how each compares with frac 1.0. Exit status 0 whatever the difference
+Also how each compares with frac 1.0. --depth sets the prompt length (the test
+corpus repeated): a backend may partition its attention differently at long
+contexts, where a KV length of many tiles leaves room for it. Exit status 0 whatever the difference
 (a measurement, not a check); 1 only if something failed to run. On the CPU
 (LLAMA_HEADINFER_FORCE_SPLIT=1) every difference is 0.
 """
@@ -47,12 +49,14 @@ def decode(model: Model, frac: float, kv_type: str, mode: str, prompt: list[int]
            forced: list[int] | None = None) -> tuple[list[int], np.ndarray]:
     """(greedy tokens, logits of every step [steps + 1, n_vocab]); with ``forced`` those tokens are decoded."""
     os.environ[ATTN_ENV] = mode
-    with capture_log() as log, Context(model, n_ctx=256, flash_attn=True, type_k=kv_type, type_v=kv_type,
-                                       headinfer_gpu_heads_frac=frac) as ctx:
+    n_ctx = -(-(len(prompt) + steps + 1) // 256) * 256
+    with capture_log() as log, Context(model, n_ctx=n_ctx, n_batch=512, flash_attn=True, type_k=kv_type,
+                                       type_v=kv_type, headinfer_gpu_heads_frac=frac) as ctx:
         if (mode == "parts") != any(PARTS_LOG in text for _, text in log):
             raise RuntimeError(f"{ATTN_ENV}={mode}, frac {frac}: llama.cpp's log does not say so "
                                "(a build without patch 0018, or no layer split?)")
-        ctx.decode(prompt)
+        for i in range(0, len(prompt), 512):
+            ctx.decode(prompt[i:i + 512])
         logits = [ctx.logits(-1)]
         tokens = []
         for i in range(steps):
@@ -75,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--types", default="f16,q8_0", help="KV types (K and V)")
     ap.add_argument("--steps", type=int, default=32, help="decode steps after the prompt")
     ap.add_argument("--ngl", type=int, default=99)
+    ap.add_argument("--depth", type=int, default=N_PROMPT, help="prompt tokens (the test corpus, repeated)")
     ap.add_argument("--no-8b-heads", dest="with_8b_heads", action="store_false",
                     help="skip the model with Llama-3-8B's attention geometry")
     ap.add_argument("--no-cuda-fusion", action="store_true", help="set GGML_CUDA_DISABLE_FUSION=1 (docs/GPU.md)")
@@ -99,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 def compare_models(paths: dict[str, Path], args) -> None:
     for name, path in paths.items():
         with Model(path, n_gpu_layers=args.ngl) as model:
-            prompt = model.tokenize(testing_models.CORPUS)[:N_PROMPT]
+            corpus = model.tokenize(testing_models.CORPUS)
+            prompt = (corpus * (args.depth // len(corpus) + 1))[:args.depth]
             for kv_type in args.types.split(","):
                 base_tokens, base = decode(model, 1.0, kv_type, "joined", prompt, args.steps)
                 for frac in (float(f) for f in args.fracs.split(",")):
