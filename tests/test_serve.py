@@ -153,6 +153,20 @@ def test_the_scenario_exercised_what_it_claims(answers):
     assert not any("split" in line and "0.5" in line for line in logs[1.0])
 
 
+@pytest.mark.parametrize("extra, frac, noted", [
+    (["-np", "4"], 0.5, True),              # one KV stream per slot, split: the gaps between the slots cross the link
+    (["--parallel", "2", "-c", "4096"], 0.25, True),
+    (["-np", "4", "-kvu"], 0.5, False),     # one unified cache
+    (["-np", "4"], 1.0, False),             # nothing split
+    ([], 0.5, False),                       # llama-server's auto: unified
+    (["-np", "1"], 0.5, False),
+])
+def test_serve_notes_the_per_slot_upload(gguf_models, tmp_path, extra, frac, noted):
+    command = serve_cli.server_command(gguf_models["llama-gqa"], frac=frac, vram_budget=None, margin="0",
+                                       host="127.0.0.1", port=8080, extra=extra, server=tmp_path / "llama-server")
+    assert any("-kvu" in note and "one KV stream per slot" in note for note in command.notes) == noted, command.notes
+
+
 def test_serve_refuses_a_port_in_use(server_binary, gguf_models):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -159,6 +159,12 @@ def server_command(model, *, frac: Optional[float], vram_budget, margin, host: s
         frac = check_headinfer_frac(frac)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    n_parallel = _int_option(extra, "parallel", -1)
+    if frac < 1.0 and n_parallel > 1 and not any(w in ("-kvu", "--kv-unified") for w in extra):
+        notes.append(f"-np {n_parallel} without -kvu: one KV stream per slot; each split layer's upload then also "
+                     "carries the cells between a slot's used end and its size (up to -np times the bytes when the "
+                     "slots are far from full); -kvu (one cache for all slots, llama-server's default without -np) "
+                     "uploads only the cells in use (docs/SERVING.md)")
     server = server or find_server()
     argv = [str(server), "-m", str(model), "--host", host, "--port", str(port), "-fa", "on",
             "-hgf", f"{frac:.9g}", *extra]
