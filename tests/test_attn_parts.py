@@ -18,14 +18,15 @@ from pathlib import Path
 
 import pytest
 
+from testing_models import FORCE_SPLIT
+
 ROOT = Path(__file__).resolve().parents[1]
-FORCE_SPLIT = {"LLAMA_HEADINFER_FORCE_SPLIT": "1"}
 
 
 def test_parts_give_the_joined_heads_bits_on_the_cpu(built):
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "attn_parts_compare.py"), "--no-8b-heads",
                           "--fracs", "0.75,0.5,0.25", "--types", "f16,q8_0", "--steps", "8"],
-                         cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, **FORCE_SPLIT), timeout=600)
+                         cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, **{FORCE_SPLIT: "1"}), timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line for line in run.stdout.splitlines()[1:] if line.strip()]
     assert len(rows) == 3 * 2 * 3, run.stdout  # models x KV types x fractions
@@ -37,7 +38,7 @@ def test_parts_give_the_joined_heads_bits_on_the_cpu(built):
 def test_an_unknown_mode_is_a_warning_and_the_heads_are_read_joined(llama, gguf_models, monkeypatch, value):
     from pyllama_headinfer.runtime.log import capture_log
 
-    monkeypatch.setenv("LLAMA_HEADINFER_FORCE_SPLIT", "1")
+    monkeypatch.setenv(FORCE_SPLIT, "1")
     monkeypatch.setenv("LLAMA_HEADINFER_ATTN", value)
     logger = logging.getLogger("pyllama_headinfer.llama")
     monkeypatch.setattr(logger, "level", logging.INFO)  # the split's INFO lines reach the capture

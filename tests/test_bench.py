@@ -15,7 +15,7 @@ import pytest
 from pyllama_headinfer.api import bench
 from pyllama_headinfer.cli import bench as bench_cli, main as cli
 
-FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
+from testing_models import FORCE_SPLIT
 
 
 @pytest.fixture

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from testing_models import CORPUS
+from testing_models import CORPUS, FORCE_SPLIT
 
-FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
 CHATML = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 

@@ -93,6 +93,14 @@ def test_source_verify_and_path(fake_pin, tree, capsys):
     assert err.startswith("error: ") and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", [["source", "verify"], ["source", "path"], ["patch", "status"]])
+def test_a_missing_llama_src_is_a_usage_error(fake_pin, tmp_path, capsys, command):
+    """A tree the user names that does not exist is bad input (exit 2, one line), not a failed operation."""
+    assert cli.main([*command, "--llama-src", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the llama.cpp tree ") and "is not a directory" in err and "Traceback" not in err
+
+
 def test_patch_cycle(fake_pin, tree, capsys):
     pristine = snapshot(tree)
     common = ["--llama-src", str(tree), "--patches-dir", str(fake_pin.patches)]

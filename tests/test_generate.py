@@ -19,10 +19,9 @@ import numpy as np
 import pytest
 
 from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, find_manifest
-from testing_models import CORPUS, SPECS, SPLIT_TEST_MODELS
+from testing_models import CORPUS, FORCE_SPLIT, SPECS, SPLIT_TEST_MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
-FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 SPLIT_FRACS = (0.75, 0.5, 0.25, 0.0)
 N_PROMPT = 40  # >= 32
 N_GEN = 64

@@ -39,10 +39,9 @@ from conftest import capture_llama_log
 
 from pyllama_headinfer.runtime.log import capture_log
 from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, find_manifest
-from testing_models import CORPUS, EXTRA_SPECS, SPECS, ensure_extra_models
+from testing_models import CORPUS, EXTRA_SPECS, FORCE_SPLIT, SPECS, ensure_extra_models
 
 ROOT = Path(__file__).resolve().parents[1]
-FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 ROT_DISABLE = "LLAMA_ATTN_ROT_DISABLE"
 FRACS = (0.5, 0.25)
 MODELS = ("llama-gqa", "qwen2")  # plain KV cache, two architectures / tokenizers

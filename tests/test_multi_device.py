@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from pyllama_headinfer import paths
+from testing_models import FORCE_SPLIT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +55,7 @@ def run_split_script(rpc_build: Path, script: str, *args: str, stream: bool = Tr
     env["GGML_SCHED_STREAM"] = "1" if stream else "0"
     # RPC devices have no pinned host buffer type, so llama.cpp does not split their layers (the host heads would
     # cross the network at every step); the testing knob splits them anyway, to run the split on RPC devices
-    env["LLAMA_HEADINFER_FORCE_SPLIT"] = "1"
+    env[FORCE_SPLIT] = "1"
     return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
                           text=True, env=env, timeout=timeout)
 

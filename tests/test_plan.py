@@ -49,9 +49,7 @@ from pyllama_headinfer.vram import plan as vram_plan
 from pyllama_headinfer.vram.memory import KVLayer, gpu_layer_start, n_resident, weights
 from pyllama_headinfer.vram.model import gguf_index, read_model_info
 from pyllama_headinfer.vram.plan import force_split_from_env, frac_for_g
-from testing_models import SPECS, ensure_extra_models
-
-FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
+from testing_models import FORCE_SPLIT, SPECS, ensure_extra_models
 
 
 @pytest.fixture(scope="module")

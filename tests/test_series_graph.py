@@ -19,7 +19,7 @@ import re
 
 import pytest
 
-from testing_models import SPECS
+from testing_models import FORCE_SPLIT, SPECS
 
 pytestmark = pytest.mark.usefixtures("residency_llama")
 
@@ -44,7 +44,7 @@ LAYOUTS = {
 
 def graph_numbers(llama, model, frac, monkeypatch, layout="joined"):
     env, params = LAYOUTS[layout]
-    monkeypatch.setenv("LLAMA_HEADINFER_FORCE_SPLIT", "1")
+    monkeypatch.setenv(FORCE_SPLIT, "1")
     monkeypatch.delenv("LLAMA_HEADINFER_ATTN", raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)

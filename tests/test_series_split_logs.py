@@ -27,9 +27,8 @@ from pathlib import Path
 import pytest
 from conftest import capture_llama_log
 
-from testing_models import CORPUS, ensure_extra_models
+from testing_models import CORPUS, FORCE_SPLIT, ensure_extra_models
 
-FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 
 pytestmark = pytest.mark.usefixtures("residency_llama")
 

@@ -22,9 +22,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from testing_models import CORPUS
+from testing_models import CORPUS, FORCE_SPLIT
 
-FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 N_PROMPT = 40
 N_GEN = 8
 

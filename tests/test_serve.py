@@ -18,16 +18,14 @@ import os
 import socket
 import threading
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
 
 from pyllama_headinfer.cli import serve as serve_cli
 from pyllama_headinfer.errors import ServeError
-from testing_models import CORPUS
+from testing_models import CORPUS, FORCE_SPLIT
 
-FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 N_CTX = 512  # two slots of 256 cells
 PROMPT = CORPUS[:160]
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from testing_models import FORCE_SPLIT
+
 ROOT = Path(__file__).resolve().parents[1]
-FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
 PROMPT_TOKENS = 48
 
 

@@ -39,6 +39,10 @@ import numpy as np
 # Bump when the generator's output changes for the same spec (invalidates caches).
 GENERATOR_VERSION = 1
 
+# The testing knob of patch 0011: llama.cpp splits the KV heads of layers it would not split (host memory, devices
+# without a pinned host buffer type), so that CI without a GPU runs the whole split path, bit-identical there too.
+FORCE_SPLIT = "LLAMA_HEADINFER_FORCE_SPLIT"
+
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A small model can still tell a story.
 Once upon a time there was a little town by the sea, and every morning the baker

@@ -46,7 +46,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from pyllama_headinfer import paths, pin
 from pyllama_headinfer.source.archive import extract_subtree
-from pyllama_headinfer.errors import HeadInferError, SourceError
+from pyllama_headinfer.errors import HeadInferError, SourceError, UsageError
 from pyllama_headinfer.source.tree_verify import PathLike, forget_stat_cache, move_stat_cache, verify_tree
 
 log = logging.getLogger(__name__)
@@ -320,6 +320,15 @@ _CACHED_RECIPE = (
 )
 
 
+def _explicit_tree(explicit: PathLike) -> Path:
+    """The tree the user named (--llama-src or the environment): a path that is not a directory is bad input
+    (a UsageError, exit 2), not a failed operation."""
+    tree = Path(explicit).expanduser().resolve()
+    if not tree.is_dir():
+        raise UsageError(f"the llama.cpp tree {tree} is not a directory")
+    return tree
+
+
 def _use_existing(tree: Path, label: str, allow_unverified: bool, recipe: str, accept: Acceptance) -> Path:
     if not tree.is_dir():
         raise SourceError(f"{label} {tree} is not a directory")
@@ -348,7 +357,7 @@ def ensure_source(llama_src: Optional[PathLike] = None, *, allow_unverified: boo
     explicit = llama_src if llama_src is not None else os.environ.get(LLAMA_SRC_ENV)
     if explicit:
         return _use_existing(
-            Path(explicit).expanduser().resolve(), "the llama.cpp tree", allow_unverified,
+            _explicit_tree(explicit), "the llama.cpp tree", allow_unverified,
             "Point --llama-src at a checkout of "
             f"{pin.LLAMA_CPP_COMMIT} ({pin.LLAMA_CPP_BUILD}), or leave it out to use the cached download.",
             accept,
@@ -368,9 +377,6 @@ def locate_tree(llama_src: Optional[PathLike] = None) -> Path:
     """
     explicit = llama_src if llama_src is not None else os.environ.get(LLAMA_SRC_ENV)
     if explicit:
-        tree = Path(explicit).expanduser().resolve()
-        if not tree.is_dir():
-            raise SourceError(f"the llama.cpp tree {tree} is not a directory")
-        return tree
+        return _explicit_tree(explicit)
     cached = cached_tree_path()
     return cached if cached.exists() else ensure_source()
