@@ -5,7 +5,7 @@
                                          [--depth 48] [--no-8b-heads] [--no-cuda-fusion]
 
 A split layer attends to its heads either joined (one K and V, the default:
-bit-identical to the unsplit cache on every backend) or per part (patch 0018:
+bit-identical to the unsplit cache on every backend) or per part (patch 0019:
 the resident heads where they live, the host heads where they were staged,
 two attentions whose outputs are joined). The values are the same; a backend
 whose flash attention partitions its work by the number of heads may sum in
@@ -54,7 +54,7 @@ def decode(model: Model, frac: float, kv_type: str, mode: str, prompt: list[int]
                                        type_v=kv_type, headinfer_gpu_heads_frac=frac) as ctx:
         if (mode == "parts") != any(PARTS_LOG in text for _, text in log):
             raise RuntimeError(f"{ATTN_ENV}={mode}, frac {frac}: llama.cpp's log does not say so "
-                               "(a build without patch 0018, or no layer split?)")
+                               "(a build without patch 0019, or no layer split?)")
         for i in range(0, len(prompt), 512):
             ctx.decode(prompt[i:i + 512])
         logits = [ctx.logits(-1)]

@@ -12,7 +12,7 @@ costs a synchronisation, so this is the figure to watch (GGML_SCHED_DEBUG=2
 prints the splits themselves). Printed per fraction, with the extra decode
 splits per split layer relative to frac 1.0, and the compute buffer of each
 backend as llama.cpp reports it (it includes the scheduler's staging buffer
-for streamed host inputs, patch 17), per context size. With --rpc N (a build
+for streamed host inputs, patch 18), per context size. With --rpc N (a build
 with -DGGML_RPC=ON) the layers go to N local RPC servers' devices: on a
 machine without a GPU, with LLAMA_HEADINFER_FORCE_SPLIT=1, this shows how the
 scheduler copies host memory to an offload device (GGML_SCHED_STREAM=0:

@@ -124,7 +124,7 @@ serve)
     ;;
 streams)
     # the series after the 2026-12-03 review: the host stores run last with one KV stream per slot too (patch 0007),
-    # and the split layers' heads can be attended per part (patch 0018, LLAMA_HEADINFER_ATTN=parts). Exactness with
+    # and the split layers' heads can be attended per part (patch 0019, LLAMA_HEADINFER_ATTN=parts). Exactness with
     # fusion off (joined: bit-identical; parts: how far), decode joined vs parts, compute buffers, slots under load,
     # and one decode step of the 1B-shaped draft at 32K (the speculative loop's drafting). ~5 min; by priority.
     draft=/tmp/d1b.gguf

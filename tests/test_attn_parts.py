@@ -1,4 +1,4 @@
-"""The attention per part of a split layer (patch 0018, LLAMA_HEADINFER_ATTN=parts).
+"""The attention per part of a split layer (patch 0019, LLAMA_HEADINFER_ATTN=parts).
 
 The resident heads are attended where they live and the host heads where
 they were copied, and the two outputs joined. On the CPU every row of the

@@ -51,7 +51,7 @@ def run_split_script(rpc_build: Path, script: str, *args: str, stream: bool = Tr
     env = rpc_env(rpc_build)
     env["LLAMA_HEADINFER_ATTN"] = attn
     # the scheduler streams host memory to RPC devices only when asked (they have no pinned host buffer type, so
-    # there is nothing to gain): asked by default, so that the checks cover the streamed path (patch 0017) too
+    # there is nothing to gain): asked by default, so that the checks cover the streamed path (patch 0018) too
     env["GGML_SCHED_STREAM"] = "1" if stream else "0"
     # RPC devices have no pinned host buffer type, so llama.cpp does not split their layers (the host heads would
     # cross the network at every step); the testing knob splits them anyway, to run the split on RPC devices
@@ -200,7 +200,7 @@ def test_layer_split_is_bit_exact_without_streaming(rpc_build):
 
 
 def test_layer_split_is_bit_exact_attending_per_part(rpc_build):
-    """LLAMA_HEADINFER_ATTN=parts (patch 0018): the resident heads on the device where they live, the streamed host
+    """LLAMA_HEADINFER_ATTN=parts (patch 0019): the resident heads on the device where they live, the streamed host
     heads where they were staged, one attention each; the CPU backend of the RPC devices gives the same bits."""
     run = gpu_check(rpc_build, "--types", "f16,q8_0", "--fracs", "0.5", attn="parts")
     assert run.returncode == 0 and run.stdout.rstrip().endswith("all checks passed"), run.stdout[-3000:] + run.stderr[-2000:]

@@ -324,7 +324,7 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
     The largest of the layer and output stages, plus masks, plus what the
     split keeps outside that peak:
 
-    * the scheduler's staging buffer (patch 0017): two slots, each one split
+    * the scheduler's staging buffer (patch 0018): two slots, each one split
       layer's host K and V (the largest), outside ggml-alloc -- the host heads
       are copied there one layer ahead;
     * each split layer's converted rows of the host heads, T rows of its host

@@ -12,7 +12,7 @@ token, with the context filled to ``depth`` tokens::
     t_join  = split_kv_bytes(depth) * reassembly_s_per_byte           joining the halves on the device
     t_steps = n_split_layers * split_layer_s                          the split's fixed cost per step
     t       = max(t_gpu + t_join, t_link) + t_steps   (``overlapped``: the scheduler streams the host heads
-                                                       one layer ahead while the GPU computes, patch 0017)
+                                                       one layer ahead while the GPU computes, patch 0018)
             = t_gpu + t_join + t_link + t_steps       (copies one after the other, e.g. GGML_SCHED_STREAM=0)
 
 An unquantized cache (f16, bf16, f32) gives the same results whatever the
@@ -54,7 +54,7 @@ class SpeedConstants:
     link_rate: float  # host -> device bytes per second (pinned memory)
     split_layer_s: float  # per split layer and step: the split's fixed cost (scheduler transitions, events)
     reassembly_s_per_byte: float  # per byte of a split layer's K+V: joining the halves on the device
-    overlapped: bool = False  # the host heads' copy overlaps compute (the scheduler streams them, patch 0017)
+    overlapped: bool = False  # the host heads' copy overlaps compute (the scheduler streams them, patch 0018)
     source: str = ""
 
     def to_dict(self) -> dict:
@@ -68,7 +68,7 @@ class SpeedConstants:
 # Measured on the H200 (docs/BENCHMARKS.md, FACTS.md), 8B-shaped Q4_K_M (4.58 GiB of weights),
 # llama-bench -fa 1 -ngl 99, tg32: frac 1.0 f16 277.7/245.3/186.6/92.0 tok/s at 0/8K/32K/128K,
 # q8_0 252.1/201.4/125.2/49.6; q4_0 119.3 at 32K (its fixed cost assumed equal to q8_0's);
-# reassembly ~0.7 ms per GiB (series at 255b680). With the host heads streamed (patch 0017): f16 at
+# reassembly ~0.7 ms per GiB (series at 255b680). With the host heads streamed (patch 0018): f16 at
 # 8K/32K/128K, f = 0.75/0.5/0.25, all within 3 % of max(t_gpu + t_join, t_link) + 1.5 ms with the link
 # at 54 GB/s (2.5 % under the 55.4 GB/s of one large pinned copy).
 H200_DEFAULTS = SpeedConstants(
