@@ -35,7 +35,7 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from pyllama_headinfer.errors import PlanError, ServeError, UsageError
 from pyllama_headinfer.params import ContextParams, check_headinfer_frac, format_bytes
@@ -136,6 +136,15 @@ def _int_option(args: Sequence[str], key: str, default: int) -> int:
         raise UsageError(f"{'/'.join(_PASSTHROUGH_VALUES[key])} needs an integer, got {value!r}") from None
 
 
+def _server_slots(extra: Sequence[str]) -> Tuple[int, bool]:
+    """(slots, one unified KV cache) of llama-server's arguments ``-np``/``-kvu``; without ``-np``
+    llama-server's "auto": 4 slots in one unified cache."""
+    n_parallel = _int_option(extra, "parallel", -1)
+    if n_parallel < 0:
+        return 4, True
+    return n_parallel, any(w in ("-kvu", "--kv-unified") for w in extra)
+
+
 def server_command(model, *, frac: Optional[float], vram_budget, margin, host: str, port: int,
                    extra: Sequence[str], server: Optional[Path] = None,
                    allow_quantized_kv: bool = False) -> ServerCommand:
@@ -159,8 +168,8 @@ def server_command(model, *, frac: Optional[float], vram_budget, margin, host: s
         frac = check_headinfer_frac(frac)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    n_parallel = _int_option(extra, "parallel", -1)
-    if frac < 1.0 and n_parallel > 1 and not any(w in ("-kvu", "--kv-unified") for w in extra):
+    n_parallel, unified = _server_slots(extra)
+    if frac < 1.0 and n_parallel > 1 and not unified:
         notes.append(f"-np {n_parallel} without -kvu: one KV stream per slot; each split layer's upload then also "
                      "carries the cells between a slot's used end and its size (up to -np times the bytes when the "
                      "slots are far from full); -kvu (one cache for all slots, llama-server's default without -np) "
@@ -179,10 +188,7 @@ def _frac_for_server(model: Path, vram_budget, margin, extra: Sequence[str], all
     fraction), or with ``allow_quantized_kv`` the fastest of all (e.g. q8_0 whole)."""
     info = read_model_info(model)
     margin = 0 if str(margin).strip() in ("", "0") else margin
-    n_parallel = _int_option(extra, "parallel", -1)
-    unified = any(w in ("-kvu", "--kv-unified") for w in extra)
-    if n_parallel < 0:  # llama-server's "auto": 4 slots in one unified cache
-        n_parallel, unified = 4, True
+    n_parallel, unified = _server_slots(extra)
     n_ctx = _int_option(extra, "ctx", 0) or info.n_ctx_train
     batch = _int_option(extra, "batch", 2048)
     type_k = _option_value(extra, _PASSTHROUGH_VALUES["type_k"])
