@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the model with Llama-3-8B's attention geometry")
     ap.add_argument("--no-cuda-fusion", action="store_true", help="set GGML_CUDA_DISABLE_FUSION=1 (docs/GPU.md)")
     args = ap.parse_args(argv)
+    if args.depth < 1 or args.steps < 0:
+        ap.error("--depth must be at least 1 and --steps at least 0")
     logging.getLogger("pyllama_headinfer.llama").setLevel(logging.INFO)  # the split's INFO lines reach the capture
     if args.no_cuda_fusion:
         os.environ["GGML_CUDA_DISABLE_FUSION"] = "1"
