@@ -13,7 +13,8 @@ logits, bit for bit:
 - greedy: a 40-token prompt, then 64 greedy tokens (logits at every step);
 - state: save the state, generate, restore it into a fresh context, generate again;
 - shift: seq_rm + seq_add (RoPE K-shift), seq_div, then generate;
-- streams: two KV streams (kv_unified = False), seq_cp across them, generate on the copy.
+- streams: two KV streams (kv_unified = False), seq_cp across them, generate on the copy, then on both
+  streams in one batch, then on the copy alone.
 
 Each split run also checks the residency report: the device buffers hold exactly
 g/n_head_kv of the unsplit bytes (each device of its own unsplit share) and the
@@ -106,11 +107,22 @@ def scenario_streams(ctx: Context, prompt: list) -> tuple[list, list]:
     ctx.seq_cp(0, 1)
     ctx.decode([prompt[-1]], seq_id=1)
     tokens, logits = greedy_steps(ctx, 24, seq_id=1)
+    # both streams in each ubatch: a split layer's host heads are read over both, and the streams are far from full
+    # (STREAMS_N_CTX), so an offload device is sent the used cells of each stream, not the cells between them
+    following = {0: tokens[0], 1: int(np.argmax(ctx.logits(-1)))}
+    for _ in range(8):
+        rows = ctx.decode_batch({seq_id: [tok] for seq_id, tok in following.items()})
+        for seq_id, row in rows.items():
+            logits.append(ctx.logits(row))
+            following[seq_id] = int(np.argmax(logits[-1]))
+            tokens.append(following[seq_id])
     ctx.seq_keep(1)
+    ctx.decode([following[1]], seq_id=1)
     return greedy_steps(ctx, 8, seq_id=1, tokens=tokens, logits=logits)
 
 
 SCENARIOS = ("greedy", "state", "shift", "streams")
+STREAMS_N_CTX = 1024  # two streams of 512 cells: the scenario uses fewer than 256 of each (the attention's n_kv)
 
 
 class _Messages(logging.Handler):
@@ -153,8 +165,8 @@ def pipeline_problems(report: dict, base: dict) -> list[str]:
 
 def run(model: Model, scenario: str, frac: float, kv_type: str, prompt: list) -> tuple[list, list, dict, list]:
     def make_ctx() -> Context:
-        return Context(model, n_ctx=256, n_batch=256, n_ubatch=256, flash_attn=True,
-                       type_k=kv_type, type_v=kv_type, n_seq_max=2 if scenario == "streams" else 1,
+        return Context(model, n_ctx=STREAMS_N_CTX if scenario == "streams" else 256, n_batch=256, n_ubatch=256,
+                       flash_attn=True, type_k=kv_type, type_v=kv_type, n_seq_max=2 if scenario == "streams" else 1,
                        kv_unified=False, headinfer_gpu_heads_frac=frac)
 
     kv_bytes: list = []

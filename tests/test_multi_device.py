@@ -193,6 +193,50 @@ def test_host_stores_run_last_with_one_kv_stream_per_sequence(rpc_build, gguf_mo
     assert splits1 == splits0 + split1
 
 
+# decodes one token in each of two sequences far from full on one RPC device and prints the bytes that each streamed
+# split copies (the scheduler's GGML_SCHED_DEBUG=1 line: "split #i streams N bytes into slot s (S bytes)")
+STREAMED_BYTES_CHILD = """
+import re, sys
+sys.path.insert(0, "scripts")
+from gpu_check import rpc_servers
+from pyllama_headinfer.llama import Context, Model, rpc_add_server
+from pyllama_headinfer.runtime.log import capture_log
+with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
+    with Context(model, n_ctx=2048, n_seq_max=2, kv_unified=False, flash_attn=True, n_batch=64,
+                 headinfer_gpu_heads_frac=0.5) as ctx:
+        ctx.decode(list(range(10, 50)), seq_id=0)
+        ctx.decode(list(range(10, 30)), seq_id=1)
+        with capture_log() as log:
+            ctx.decode_batch({0: [7], 1: [8]})
+for _, text in log:
+    m = re.search(r"split #\\d+ streams (\\d+) bytes into slot \\d \\((\\d+) bytes\\)", text)
+    if m:
+        print(m.group(1), m.group(2))
+"""
+
+
+def test_streamed_host_heads_skip_the_cells_between_kv_streams(rpc_build, gguf_models):
+    """With one KV stream per sequence and a ubatch over two streams, a split layer's host heads are read as a view of
+    the first n_kv cells of both; the scheduler streams those cells of each stream, not the rest of the first stream
+    that lies between them in host memory (patch 0018; the exactness with stale bytes in between is gpu_check's
+    streams scenario, test_layer_split_over_two_devices_is_bit_exact)."""
+    env = rpc_env(rpc_build)
+    env.update(GGML_SCHED_STREAM="1", GGML_SCHED_DEBUG="1", LLAMA_HEADINFER_ATTN="joined")
+    env[FORCE_SPLIT] = "1"
+    run = subprocess.run([sys.executable, "-c", STREAMED_BYTES_CHILD, str(gguf_models["llama-gqa"])], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    splits = [tuple(map(int, line.split())) for line in run.stdout.splitlines()]
+    # llama-gqa: 3 layers of 4 KV heads x 64, f16; at frac 0.5 each row of the host heads is 2 x 64 x 2 = 256 bytes.
+    # n_kv is 256 (the attention's padding; both sequences use fewer cells), each stream has 1024 cells: K and V of
+    # both streams' first 256 cells are streamed, not the 1024 + 256 cells that the views span
+    row, n_kv, n_cells = 256, 256, 1024
+    assert len(splits) == 3, run.stdout
+    for streamed, slot in splits:
+        assert streamed == 2 * 2 * n_kv * row, splits
+        assert slot >= 2 * (n_cells + n_kv) * row, splits  # the copies keep the views' layout in the slot
+
+
 def test_layer_split_is_bit_exact_without_streaming(rpc_build):
     """The same bytes reach the device when the scheduler copies the host heads as each split starts."""
     run = gpu_check(rpc_build, "--types", "f16", "--fracs", "0.5", stream=False)

@@ -152,7 +152,7 @@ def test_the_scenario_exercised_what_it_claims(answers):
 
 
 @pytest.mark.parametrize("extra, frac, noted", [
-    (["-np", "4"], 0.5, True),              # one KV stream per slot, split: the gaps between the slots cross the link
+    (["-np", "4"], 0.5, True),              # one KV stream per slot, split: n_kv cells of every slot cross the link
     (["--parallel", "2", "-c", "4096"], 0.25, True),
     (["-np", "4", "-kvu"], 0.5, False),     # one unified cache
     (["-np", "4"], 1.0, False),             # nothing split

@@ -170,10 +170,10 @@ def server_command(model, *, frac: Optional[float], vram_budget, margin, host: s
         raise UsageError(str(exc)) from None
     n_parallel, unified = _server_slots(extra)
     if frac < 1.0 and n_parallel > 1 and not unified:
-        notes.append(f"-np {n_parallel} without -kvu: one KV stream per slot; each split layer's upload then also "
-                     "carries the cells between a slot's used end and its size (up to -np times the bytes when the "
-                     "slots are far from full); -kvu (one cache for all slots, llama-server's default without -np) "
-                     "uploads only the cells in use (docs/SERVING.md)")
+        notes.append(f"-np {n_parallel} without -kvu: one KV stream per slot; each split layer's upload then "
+                     "carries as many cells of every slot as the longest slot uses (up to -np times the cells in "
+                     "use when the slots' lengths differ); -kvu (one cache for all slots, llama-server's default "
+                     "without -np) uploads only the cells in use (docs/SERVING.md)")
     server = server or find_server()
     argv = [str(server), "-m", str(model), "--host", host, "--port", str(port), "-fa", "on",
             "-hgf", f"{frac:.9g}", *extra]
