@@ -7,14 +7,15 @@
 #   scripts/h200_session.sh OUTDIR stream   # the data path: decode/fill with streaming on and off, splits, buffers
 #   scripts/h200_session.sh OUTDIR serve    # llama-server: 1/2/4 slots under load, speculative decoding (~4 min)
 #   scripts/h200_session.sh OUTDIR streams  # per-slot streams, attention per part: exactness, decode, buffers, slots (~7 min)
+#   scripts/h200_session.sh OUTDIR slots    # per-slot streams far from full vs unified, 32K decode repeated (~3 min)
 #
 # Needs, in the checkout: .gpu-carry/llama.cpp-<pin commit>.tar.gz (a GitHub-style archive of the pin,
 # e.g. the sdist's vendor/llama.cpp packed under llama.cpp-<commit>/), and .whl/ with the wheels of
 # cffi, pycparser and gguf for the machine's python3 (the device tool's README says how).
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams}
-part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams}
+out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots}
+part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -158,5 +159,23 @@ streams)
     # the device tool brings back 8 files: the tables stay, the rest is packed
     tar czf "$out/raw.tgz" -C "$out" json server.log server_load.json bench.err streams.err 2>/dev/null
     rm -rf "$out/json" "$out/server.log" "$out/server_load.json" "$out/bench.err" "$out/streams.err"
+    ;;
+slots)
+    # per-slot streams far from full (4 slots of 32K holding ~8K each): patch 0018 streams the cells in use of each
+    # slot, not the cells between them (issue 13.7); per-slot vs unified under the same load, then the 32K decode
+    # at f = 0.75 repeated (issue 12's one figure below 95 % of the ceiling). ~3 min.
+    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/slots.err" 2>&1
+    { echo "== LLAMA_HEADINFER_ATTN=joined GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion"
+      GGML_CUDA_DISABLE_FUSION=1 tl python3 scripts/gpu_check.py --no-cuda-fusion 2>&1 | grep -v "ggml_cuda_init\|Device 0"
+      echo "gpu_check exit ${PIPESTATUS[0]}"; } > "$out/gpu_check.txt"
+    export PYTHONUNBUFFERED=1
+    { time tl python3 scripts/server_bench.py load --model "$model" --frac 0.5 --slots 4 --per-slot --unified \
+          --ctx 32768 --prompt-tokens 8192 --max-tokens 64 --json "$out/slots_load.json" \
+          --server "$bdir/bin/llama-server" --ngl 99 --server-log "$out/slots_server.log"; } > "$out/slots_load.md" 2>> "$out/slots.err"
+    echo "load exit $?" >> "$out/slots.err"
+    mkdir -p "$out/json"
+    lb dec_32k_r3 -ctk f16 -ctv f16 -hgf 1,0.75,0.5 -d 32768 -p 0 -n 32 -r 3
+    tar czf "$out/raw.tgz" -C "$out" json slots_server.log slots_load.json bench.err slots.err 2>/dev/null
+    rm -rf "$out/json" "$out/slots_server.log" "$out/slots_load.json" "$out/bench.err" "$out/slots.err"
     ;;
 esac
