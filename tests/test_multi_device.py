@@ -195,7 +195,7 @@ def test_host_stores_run_last_with_one_kv_stream_per_sequence(rpc_build, gguf_mo
 
 # decodes one token in each of two sequences far from full on one RPC device and prints the bytes that each streamed
 # split copies (the scheduler's GGML_SCHED_DEBUG=1 line: "split #i streams N bytes into slot s (S bytes)")
-STREAMED_BYTES_CHILD = """
+STREAMED_BYTES_CHILD = r"""
 import re, sys
 sys.path.insert(0, "scripts")
 from gpu_check import rpc_servers
@@ -209,7 +209,7 @@ with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rp
         with capture_log() as log:
             ctx.decode_batch({0: [7], 1: [8]})
 for _, text in log:
-    m = re.search(r"split #\\d+ streams (\\d+) bytes into slot \\d \\((\\d+) bytes\\)", text)
+    m = re.search(r"split #\d+ streams (\d+) bytes into slot \d \((\d+) bytes\)", text)
     if m:
         print(m.group(1), m.group(2))
 """
