@@ -31,6 +31,7 @@ tests import them):
 - :mod:`pyllama_headinfer.api.devices`: :func:`list_devices`,
   :class:`DeviceInfo`, :func:`rpc_add_server`, :func:`rpc_serve`
 - :mod:`pyllama_headinfer.api.gguf_check`: :func:`check_gguf`
+- :mod:`pyllama_headinfer.api.quantize`: :func:`quantize_model`, :data:`QUANT_FTYPES`
 - :mod:`pyllama_headinfer.params`: :class:`ContextParams`,
   :data:`KV_CACHE_TYPES`, :func:`check_headinfer_frac`
 - :mod:`pyllama_headinfer.errors`: the exceptions
@@ -43,6 +44,7 @@ from pyllama_headinfer.api.context import Context
 from pyllama_headinfer.api.devices import DeviceInfo, list_devices, rpc_add_server, rpc_serve
 from pyllama_headinfer.api.gguf_check import check_gguf
 from pyllama_headinfer.api.model import Model
+from pyllama_headinfer.api.quantize import QUANT_FTYPES, quantize_model
 from pyllama_headinfer.api.residency import HEADINFER_HOST_SUFFIX, format_kv_residency
 from pyllama_headinfer.api.sampler import Sampler
 from pyllama_headinfer.errors import (ClosedError, ContextError, ContextOverflowError, DecodeError, HeadInferError,
@@ -54,7 +56,7 @@ __all__ = [
     # the objects
     "Model", "Context", "ContextParams", "Sampler",
     # helpers
-    "check_gguf", "check_headinfer_frac", "format_kv_residency",
+    "check_gguf", "check_headinfer_frac", "format_kv_residency", "quantize_model", "QUANT_FTYPES",
     "DeviceInfo", "list_devices", "rpc_add_server", "rpc_serve",
     "KV_CACHE_TYPES", "HEADINFER_HOST_SUFFIX", "logger",
     # exceptions

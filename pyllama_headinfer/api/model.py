@@ -32,11 +32,14 @@ class Model(Handle):
     choice, every GPU). ``split_mode``: "layer" (llama.cpp's default), "row"
     or "none" -- how the layers are spread over several devices;
     ``tensor_split``: the share of each device, as llama.cpp's ``--tensor-split``.
+    ``use_extra_bufts``: let the CPU backend repack quantized weights for its
+    fastest kernels (AMX, AVX-512/NEON repacking; llama.cpp's default); False
+    keeps them in plain CPU buffers (``--no-repack`` of llama.cpp's tools).
     """
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, use_mmap: bool = True, *,
                  vocab_only: bool = False, devices: Sequence[str] | None = None, split_mode: str = "layer",
-                 tensor_split: Sequence[float] | None = None):
+                 tensor_split: Sequence[float] | None = None, use_extra_bufts: bool = True):
         self._handle = None
         self._contexts: weakref.WeakSet = weakref.WeakSet()
         path = Path(os.fspath(path))
@@ -55,6 +58,7 @@ class Model(Handle):
         params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if (use_mmap and lib.llama_supports_mmap()) \
             else lib.LLAMA_LOAD_MODE_NONE
         params.vocab_only = bool(vocab_only)
+        params.use_extra_bufts = bool(use_extra_bufts)
         keep = self._set_placement(params, devices, split_mode, tensor_split)  # alive until the load returns
         ptr = checked_call(lib.llama_model_load_from_file, os.fsencode(path), params, ok=lambda p: p != ffi.NULL,
                            error=lambda _, reason: ModelError(f"llama.cpp could not load {path}: {reason}"))

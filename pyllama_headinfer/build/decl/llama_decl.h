@@ -144,8 +144,26 @@ struct llama_model_params {
     const float * tensor_split;
     bool vocab_only;
     bool check_tensors;
+    bool use_extra_bufts;   /* weight repacking (CPU: AMX, AVX-512/NEON repack) */
     ...;
 };
+
+/* the file types tests quantize synthetic models to (llama_model_quantize) */
+enum llama_ftype {
+    LLAMA_FTYPE_ALL_F32,
+    LLAMA_FTYPE_MOSTLY_F16,
+    LLAMA_FTYPE_MOSTLY_Q4_0,
+    LLAMA_FTYPE_MOSTLY_Q8_0,
+    LLAMA_FTYPE_MOSTLY_Q4_K_M,
+    LLAMA_FTYPE_MOSTLY_Q6_K,
+    ...
+};
+
+typedef struct llama_model_quantize_params {
+    int32_t nthread;
+    enum llama_ftype ftype;
+    ...;
+} llama_model_quantize_params;
 
 struct llama_context_params {
     uint32_t n_ctx;
@@ -198,6 +216,8 @@ struct llama_memory_kv_layer {
 /* ---- functions --------------------------------------------------------- */
 
 const char * llama_version(void);
+struct llama_model_quantize_params llama_model_quantize_default_params(void);
+uint32_t llama_model_quantize(const char * fname_inp, const char * fname_out, const llama_model_quantize_params * params);
 const char * llama_print_system_info(void);
 
 struct llama_model_params         llama_model_default_params(void);
