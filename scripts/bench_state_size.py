@@ -2,7 +2,8 @@
 """Time llama.cpp's sequence-state calls with and without the HeadInfer split (issue 13.1).
 
 A tiny synthetic model (2 layers, 8 KV heads of 64) holds ``--tokens`` tokens;
-``llama_state_seq_get_size``, ``llama_state_seq_get_data`` and ``llama_state_seq_set_data`` are timed at
+``llama_state_seq_get_size``, ``llama_state_seq_get_data`` and ``llama_state_seq_set_data`` (and ``llama_state_seq_save_file`` / ``load_file``, the
+slot save of llama-server) are timed at
 ``headinfer_gpu_heads_frac`` 1.0 and 0.5, on the CPU with
 ``LLAMA_HEADINFER_FORCE_SPLIT=1`` (the whole split path).  A benchmark, not a
 test: it prints the medians (ms) and checks only that both fractions save the
@@ -64,10 +65,19 @@ def main(argv=None) -> int:
                     t_data = timed(lambda: lib.llama_state_seq_get_data(ptr, buf, size, 0), args.repeat)
                     saved[frac] = bytes(ffi.buffer(buf, size))
                     t_set = timed(lambda: lib.llama_state_seq_set_data(ptr, buf, size, 0), args.repeat)
+                    # the file path (llama-server's slot save/restore), in the temporary directory
+                    state_file = os.fsencode(Path(tmp) / "seq.bin")
+                    toks = ffi.new("llama_token[]", tokens)
+                    n_out = ffi.new("size_t *")
+                    t_save = timed(lambda: lib.llama_state_seq_save_file(ptr, state_file, 0, toks, len(tokens)),
+                                   args.repeat)
+                    t_load = timed(lambda: lib.llama_state_seq_load_file(ptr, state_file, 0, toks, len(tokens), n_out),
+                                   args.repeat)
                     split = sum(x["n_head_resident"] < x["n_head_kv"] for x in ctx.kv_residency()["layers"])
                     print(f"frac {frac:4.2f} ({split} layers split): state {size / 2**20:7.2f} MiB, "
                           f"llama_state_seq_get_size {t_size:8.3f} ms, llama_state_seq_get_data {t_data:8.3f} ms, "
-                          f"llama_state_seq_set_data {t_set:8.3f} ms")
+                          f"llama_state_seq_set_data {t_set:8.3f} ms, seq_save_file {t_save:8.3f} ms, "
+                          f"seq_load_file {t_load:8.3f} ms")
             same = saved[1.0] == saved[0.5]
             print("saved bytes identical across fractions:", same)
             return 0 if same else 1

@@ -8,14 +8,15 @@
 #   scripts/h200_session.sh OUTDIR serve    # llama-server: 1/2/4 slots under load, speculative decoding (~4 min)
 #   scripts/h200_session.sh OUTDIR streams  # per-slot streams, attention per part: exactness, decode, buffers, slots (~7 min)
 #   scripts/h200_session.sh OUTDIR slots    # per-slot streams far from full vs unified, 32K decode repeated (~3 min)
+#   scripts/h200_session.sh OUTDIR state    # gpu_check --no-cuda-fusion, then llama-server slot save/restore at 32K (~3 min)
 #
 # Needs, in the checkout: .gpu-carry/llama.cpp-<pin commit>.tar.gz (a GitHub-style archive of the pin,
 # e.g. the sdist's vendor/llama.cpp packed under llama.cpp-<commit>/), and .whl/ with the wheels of
 # cffi, pycparser and gguf for the machine's python3 (the device tool's README says how).
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots}
-part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots}
+out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state}
+part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -159,6 +160,17 @@ streams)
     # the device tool brings back 8 files: the tables stay, the rest is packed
     tar czf "$out/raw.tgz" -C "$out" json server.log server_load.json bench.err streams.err 2>/dev/null
     rm -rf "$out/json" "$out/server.log" "$out/server_load.json" "$out/bench.err" "$out/streams.err"
+    ;;
+state)
+    # state I/O under the split: exactness on the device (fusion off), then one slot of the 8B shape holding 32K
+    # tokens saved and restored through llama-server at frac 1 / 0.5 / 0.25 (slot file in /dev/shm: no disk)
+    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
+    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
+    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/state.err" 2>&1
+    { time tl python3 scripts/server_bench.py save --model "$model" --frac 1,0.5,0.25 --prompt-tokens 32768 \
+          --repeat 3 --save-dir /dev/shm --json "$out/state_save.json" --server "$bdir/bin/llama-server" --ngl 99 \
+          --server-log "$out/state_server.log"; } > "$out/state_save.md" 2>> "$out/state.err"
+    echo "save exit $?" >> "$out/state.err"
     ;;
 slots)
     # per-slot streams far from full (4 slots of 32K holding ~8K each): patch 0020 streams the cells in use of each

@@ -3,6 +3,7 @@
 
     python scripts/server_bench.py load --model M.gguf --frac 1,0.5 --slots 1,2,4 --per-slot --unified \\
         --prompt-tokens 8192 --max-tokens 64 --ngl 99 [--json OUT] [-- more llama-server arguments]
+    python scripts/server_bench.py save --model M.gguf --frac 1,0.5,0.25 --prompt-tokens 32768 --ngl 99 [--repeat 5]
     python scripts/server_bench.py spec --model M.gguf --draft D.gguf --draft-max 4,8 --frac 1,0.5 \\
         --prompt-tokens 32768 --max-tokens 128 --ngl 99 [--synth-accept 0.8,0.6] [--json OUT]
 
@@ -37,6 +38,12 @@ same fraction. ``--synth-accept A[,A...]`` turns on llama-server's synthetic acc
 probability A once the ones before it were, whatever it is), for models whose own acceptance
 means nothing: the zero-weight models of scripts/make_bench_model.py predict ties, which the
 draft and the target break differently (acceptance 0).
+
+save: one slot (``-np 1``, ``--slot-save-path``) holding a prompt of ``--prompt-tokens`` tokens
+(+1 generated), then ``--repeat`` saves of the slot (``POST /slots/0?action=save``) and as many
+restores of one file (``--save-dir``); rows per fraction: the bytes written, the median of the server's own ``save_ms`` and
+``restore_ms`` (the time of ``llama_state_seq_save_file`` / ``load_file``), and the ratio to the
+first fraction given (put 1 first). The files are removed afterwards.
 
 Errors are one line (exit 1; bad arguments exit 2). ``main(argv)`` returns the exit status.
 """
@@ -441,6 +448,40 @@ def run_spec(args, rows: List[dict]) -> None:
         rows[-1]["speedup"] = rows[-1]["tok_s"] / base["tok_s"] if base and base["tok_s"] else None
 
 
+def run_save(args, rows: List[dict]) -> None:
+    """One row per fraction: save and restore one slot holding a prompt of --prompt-tokens tokens."""
+    import statistics
+    import tempfile
+
+    for index, frac in enumerate([None] if args.url else args.fracs):
+        label = "save: external" if args.url else f"save: frac {frac:g}"
+        with tempfile.TemporaryDirectory(prefix="slot-save-", dir=args.save_dir) as save_dir:
+            if args.url:
+                server = External(args.url)
+            else:
+                extra = ["-np", "1", "-c", str(args.ctx), "--slot-save-path", save_dir, *_common_server_args(args),
+                         *args.server_args]
+                server = ServerRun(args, frac, extra, label)
+            with server as running:
+                client = Client(running.url, args.client, args.request_timeout)
+                prompt = make_prompts(running.url, 1, args.prompt_tokens, _seed(args, index))[0]
+                client.completion(prompt, 1, {"id_slot": 0, "cache_prompt": True})
+                saves, restores = [], []
+                for i in range(args.repeat):
+                    saves.append(_post(running.url, "/slots/0?action=save", {"filename": "slot.bin"},
+                                       args.request_timeout))
+                for i in range(args.repeat):
+                    restores.append(_post(running.url, "/slots/0?action=restore", {"filename": "slot.bin"},
+                                          args.request_timeout))
+        save_ms = statistics.median(float(r["timings"]["save_ms"]) for r in saves)
+        restore_ms = statistics.median(float(r["timings"]["restore_ms"]) for r in restores)
+        rows.append({"frac": frac, "split": running.split, "client": client.kind, "prompt_tokens": len(prompt),
+                     "n_saved": int(saves[0]["n_saved"]), "n_written": int(saves[0]["n_written"]),
+                     "n_restored": int(restores[0]["n_restored"]), "save_ms": save_ms, "restore_ms": restore_ms,
+                     "save_ms_all": [r["timings"]["save_ms"] for r in saves],
+                     "restore_ms_all": [r["timings"]["restore_ms"] for r in restores]})
+
+
 # --------------------------------------------------------------------------
 # output
 
@@ -457,6 +498,17 @@ def load_table(rows: List[dict]) -> str:
         lines.append(f"| {r['slots']} | {r['kv']} | {_fmt(r['frac'], 'g')} | {r['agg_tok_s']:.2f} "
                      f"| {r['agg_wall_tok_s']:.2f} | {r['per_slot_tok_s']:.2f} | {r['fill_s']:.2f} "
                      f"| {r['fill_tok_s']:.0f} | {r['prompt_tokens'][0]} | {r['max_tokens']} |")
+    return "\n".join(lines)
+
+
+def save_table(rows: List[dict]) -> str:
+    lines = ["| frac | cells saved | MiB written | save ms (median) | restore ms (median) | save x first | "
+             "restore x first |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    first = rows[0]
+    for r in rows:
+        lines.append(f"| {_fmt(r['frac'], 'g')} | {r['n_saved']} | {r['n_written'] / 2**20:.1f} | {r['save_ms']:.1f} "
+                     f"| {r['restore_ms']:.1f} | {r['save_ms'] / first['save_ms']:.2f} "
+                     f"| {r['restore_ms'] / first['restore_ms']:.2f} |")
     return "\n".join(lines)
 
 
@@ -500,7 +552,7 @@ def _frac_list(text: str) -> List[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    modes = ap.add_subparsers(dest="mode", required=True, metavar="load|spec")
+    modes = ap.add_subparsers(dest="mode", required=True, metavar="load|spec|save")
     common = argparse.ArgumentParser(add_help=False)
     where = common.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", "-m", help="GGUF model: one llama-server per configuration is started")
@@ -542,6 +594,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="llama-server's synthetic acceptance (benchmarking only): each draft token accepted with "
                            "probability A once the ones before it were (--spec-synth-rates A,A^2,...); one server "
                            "per value and K")
+    save = modes.add_parser("save", parents=[common], help="slot save and restore (llama_state_seq_*_file)",
+                            description="one slot's save and restore through llama-server (see the module help)")
+    save.add_argument("--repeat", type=int, default=5, help="saves and restores per fraction (default 5)")
+    save.add_argument("--save-dir", default=None,
+                      help="where the slot file goes (default: the temporary directory; /dev/shm keeps the disk out "
+                           "of the timing); one file, overwritten by each save and removed at the end")
     return ap
 
 
@@ -557,7 +615,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     elif args.ctx < needed:
         raise UsageError(f"--ctx {args.ctx} is too small for {args.prompt_tokens} prompt + {args.max_tokens} "
                          f"generated tokens (needs >= {needed})")
-    if args.mode == "load":
+    if args.mode == "save":
+        if args.repeat < 1:
+            raise UsageError("--repeat must be >= 1")
+    elif args.mode == "load":
         args.slots_given = args.slots is not None
         args.slot_counts = args.slots or [1, 2, 4]
     else:
@@ -581,7 +642,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows: List[dict] = []
     error, status = None, 0
     try:
-        (run_load if args.mode == "load" else run_spec)(args, rows)
+        {"load": run_load, "spec": run_spec, "save": run_save}[args.mode](args, rows)
     except UsageError as exc:
         error, status = str(exc), 2
     except (HeadInferError, OSError) as exc:
@@ -589,10 +650,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         error, status = "interrupted", 130
     if rows:  # what was measured, also before an error
-        print(load_table(rows) if args.mode == "load" else spec_table(rows))
+        print({"load": load_table, "spec": spec_table, "save": save_table}[args.mode](rows))
         clients = " and ".join(sorted({"openai" if r["client"] == "openai" else "urllib" for r in rows}))
-        print(f"\n({len(rows)} run(s); requests through {clients} (/v1/completions); tok/s (server) from "
-              "llama-server's timings, (wall) from the clock)")
+        print(f"\n({len(rows)} run(s); requests through {clients} (/v1/completions); "
+              + ("times from llama-server's save_ms/restore_ms)" if args.mode == "save" else
+                 "tok/s (server) from llama-server's timings, (wall) from the clock)"))
     if args.json and (rows or error is None):
         record = {"mode": args.mode, "argv": list(argv if argv is not None else sys.argv[1:]), "rows": rows,
                   "error": error}
