@@ -32,7 +32,7 @@ from pyllama_headinfer.build.progress import Progress, classify_failure, parse_p
 from pyllama_headinfer.build.record import write_json
 from pyllama_headinfer.build.series_swap import prepare_source
 from pyllama_headinfer.cli import main as cli
-from pyllama_headinfer.errors import BuildError, NotBuiltError
+from pyllama_headinfer.errors import BuildError, NotBuiltError, UsageError
 from pyllama_headinfer.patches.status import State, status
 from pyllama_headinfer.runtime.manifest import find_manifest, read_manifest
 from pyllama_headinfer.series import read_series_names, series_hash
@@ -141,8 +141,27 @@ def test_parse_define():
     assert parse_define("-D CMAKE_CUDA_ARCHITECTURES=86;90") == ("CMAKE_CUDA_ARCHITECTURES", None, "86;90")
     assert split_cmake_args(["-D", "A=1", "-DB=2"]) == ["-DA=1", "-DB=2"]
     for bad in ("-G", "-GNinja", "--fresh", "-DNOVALUE", "-S/tmp"):
-        with pytest.raises(BuildError, match="only -DNAME=VALUE"):
+        with pytest.raises(UsageError, match="only -DNAME=VALUE"):
             parse_define(bad)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["-DFOO"], "'-DFOO' has no value: write -DFOO=VALUE"),
+    (["-D", "GGML_NATIVE:BOOL"], "has no value: write -DGGML_NATIVE:BOOL=VALUE"),
+    (["--cmake-arg=-GNinja"], "only -DNAME=VALUE options are passed through"),
+])
+def test_a_malformed_define_is_bad_usage_before_any_work(argv, said, tmp_path, capsys, monkeypatch,
+                                                         restore_logging):
+    """`build -DFOO` exited 1 (a failed build) although README's table says bad usage is 2 (issue 26.5)."""
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    d = tmp_path / "b"
+    assert cli.main(["build", "--no-cuda", "--build-dir", str(d), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: Cannot pass") and said in err[0], err
+    assert not d.exists()  # nothing was done
+    monkeypatch.setenv("CMAKE_ARGS", "-DGGML_NATIVE")
+    assert cli.main(["build", "--no-cuda", "--build-dir", str(d), "--dry-run"]) == 2
+    assert "'-DGGML_NATIVE' has no value" in capsys.readouterr().err
 
 
 def test_config_keys():

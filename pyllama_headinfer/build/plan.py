@@ -21,7 +21,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pyllama_headinfer.build import toolchain
 from pyllama_headinfer import paths, pin
-from pyllama_headinfer.errors import BuildError
+from pyllama_headinfer.errors import BuildError, UsageError
 
 SANITIZERS = {"address": "asan", "thread": "tsan"}
 BUILD_TYPES = ("Release", "RelWithDebInfo", "Debug", "MinSizeRel")
@@ -52,14 +52,22 @@ def _base_options(tools: bool) -> Dict[str, str]:
     }
 
 
+_NAME_RE = r"[A-Za-z_][A-Za-z0-9_.+-]*"
+
+
 def parse_define(arg: str) -> Tuple[str, Optional[str], str]:
-    """``-DNAME[:TYPE]=VALUE`` (or ``NAME[:TYPE]=VALUE``) -> (name, type, value)."""
+    """``-DNAME[:TYPE]=VALUE`` (or ``NAME[:TYPE]=VALUE``) -> (name, type, value).
+
+    Anything else is bad usage (:class:`UsageError`, exit status 2): it is
+    checked by :func:`plan_build`, before any work."""
     arg = arg.strip()
     body = arg[2:].strip() if arg.startswith("-D") else arg
-    m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_.+-]*)(?::([A-Za-z]+))?=(.*)", body, re.S)
+    m = re.fullmatch(rf"({_NAME_RE})(?::([A-Za-z]+))?=(.*)", body, re.S)
     if not m:
-        raise BuildError(
-            f"Cannot pass {arg!r} to CMake: only -DNAME=VALUE options are passed through "
+        missing = (f" ({arg!r} has no value: write -D{body}=VALUE, e.g. -D{body}=ON)"
+                   if re.fullmatch(rf"{_NAME_RE}(?::[A-Za-z]+)?", body) else "")
+        raise UsageError(
+            f"Cannot pass {arg!r} to CMake: only -DNAME=VALUE options are passed through{missing} "
             "(the generator, source and build directories are chosen by the build tool)."
         )
     return m.group(1), (m.group(2).upper() if m.group(2) else None), m.group(3)
@@ -73,7 +81,7 @@ def split_cmake_args(args: Sequence[str]) -> List[str]:
         if a == "-D":
             nxt = next(it, None)
             if nxt is None:
-                raise BuildError("-D at the end of the CMake arguments has no NAME=VALUE")
+                raise UsageError("-D at the end of the CMake arguments has no NAME=VALUE")
             a = "-D" + nxt
         out.append(a)
     return out
@@ -141,7 +149,7 @@ def _user_options(cmake_args: Sequence[str], env: Mapping[str, str]) -> Tuple[Di
     try:
         from_env = shlex.split(env.get("CMAKE_ARGS", ""))
     except ValueError as exc:
-        raise BuildError(f"Cannot parse $CMAKE_ARGS ({exc}): {env.get('CMAKE_ARGS')!r}") from None
+        raise UsageError(f"Cannot parse $CMAKE_ARGS ({exc}): {env.get('CMAKE_ARGS')!r}") from None
     options: Dict[str, str] = {}
     types: Dict[str, str] = {}
     for arg in split_cmake_args([*from_env, *cmake_args]):
