@@ -220,6 +220,13 @@ def test_plan_cmake_args_env_and_cli():
         plan_build(env=env, probe_fn=_no_gpu, cuda=False)
 
 
+def test_a_directory_remembers_only_the_defines_in_effect():
+    """--cuda-arch and --build-type win over a -D of theirs: such a -D is not what the directory was built with."""
+    env = {"CMAKE_ARGS": "-DCMAKE_CUDA_ARCHITECTURES=86 -DCMAKE_BUILD_TYPE=Debug -DGGML_LTO=ON"}
+    plan = plan_build(env=env, probe_fn=_no_gpu, cuda=True, cuda_arch="90", build_type="Release")
+    assert plan.user_defines() == ["-DGGML_LTO=ON"]
+
+
 def test_plan_sanitize():
     plan = plan_build(env={}, probe_fn=_no_gpu, sanitize="address")
     assert plan.key == "cpu-asan" and plan.build_type == "RelWithDebInfo"
@@ -498,6 +505,61 @@ def test_a_plain_build_keeps_the_tools_of_the_directory(fake_toolchain, monkeypa
     assert read_manifest(d).data["cmake_options"]["LLAMA_BUILD_TOOLS"] == "OFF"
     plain = B.build(build_dir=d, bindings=False, out=io.StringIO())
     assert not plain.configured
+
+
+def test_a_later_build_keeps_the_defines_of_the_directory(fake_toolchain, monkeypatch, capsys, restore_logging):
+    """README's workaround (`build --build-dir build/noamx -DGGML_NATIVE=OFF ...`) lost its -D options
+    at the next `build --build-dir build/noamx --tools`, which compiled natively again (issue 26)."""
+    monkeypatch.setenv("FAKE_NINJA_MODE", "ok")
+    d = fake_toolchain / "noamx"
+    B.build(build_dir=d, bindings=False, out=io.StringIO(), cmake_args=["-DGGML_NATIVE=OFF", "-DGGML_AVX2:BOOL=ON"])
+    out = io.StringIO()
+    with_tools = B.build(build_dir=d, bindings=False, out=out, tools=True)
+    m = read_manifest(d).data
+    assert m["cmake_options"]["GGML_NATIVE"] == "OFF" and m["cmake_options"]["LLAMA_BUILD_TOOLS"] == "ON"
+    assert "-DGGML_AVX2:BOOL=ON" in m["cmake_configure"]  # with its type
+    said = [line for line in out.getvalue().splitlines() if "-D options" in line]
+    assert said == ["Keeping the -D options this directory was configured with: -DGGML_NATIVE=OFF "
+                    "-DGGML_AVX2:BOOL=ON (a new -D of the same name overrides one; --reset-options drops them)."]
+    assert with_tools.configured and "GGML_NATIVE" not in out.getvalue().split("Configuring")[1].splitlines()[0]
+    assert not B.build(build_dir=d, bindings=False, out=io.StringIO()).configured  # tools and -D kept
+
+    # --dry-run shows what a build would pass
+    assert cli.main(["build", "--dry-run", "--build-dir", str(d)]) == 0
+    shown = capsys.readouterr()
+    assert json.loads(shown.out)["cmake_options"]["GGML_NATIVE"] == "OFF" and "Keeping the -D options" in shown.err
+
+    out = io.StringIO()
+    B.build(build_dir=d, bindings=False, out=out, cmake_args=["-DGGML_NATIVE=ON"])  # a new value wins
+    assert read_manifest(d).data["cmake_options"]["GGML_NATIVE"] == "ON"
+    assert "configured with: -DGGML_AVX2:BOOL=ON (" in out.getvalue()
+    assert read_manifest(d).data["cmake_options"]["GGML_AVX2"] == "ON"
+
+    out = io.StringIO()
+    reset = B.build(build_dir=d, bindings=False, out=out, reset_options=True)
+    assert reset.configured and "Dropping the -D options this directory was configured with (--reset-options): " \
+        "-DGGML_AVX2:BOOL=ON -DGGML_NATIVE=ON" in out.getvalue()
+    options = read_manifest(d).data["cmake_options"]
+    assert "GGML_NATIVE" not in options and "GGML_AVX2" not in options and options["LLAMA_BUILD_TOOLS"] == "ON"
+    out = io.StringIO()
+    assert not B.build(build_dir=d, bindings=False, out=out).configured and "-D options" not in out.getvalue()
+
+
+def test_defines_of_a_directory_configured_before_they_were_recorded(tmp_path):
+    """A configure state written before `user_defines` existed: the user's options are the -D of its
+    command line that the tool does not set itself."""
+    write_json(tmp_path / steps.STATE_NAME, {"argv": [
+        "/x/cmake", "-S", "/src", "-B", str(tmp_path), "-G", "Ninja", "-DCMAKE_MAKE_PROGRAM=/x/ninja",
+        "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TOOLS=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
+        "-DGGML_AVX:BOOL=ON"]})
+    assert steps.configured_user_defines(tmp_path) == ["-DGGML_NATIVE=OFF", "-DGGML_AVX:BOOL=ON"]
+    write_json(tmp_path / steps.STATE_NAME, {"argv": ["/x/cmake", "-DGGML_NATIVE=OFF"], "user_defines": []})
+    assert steps.configured_user_defines(tmp_path) == []
+
+
+def test_build_help_documents_reset_options(capsys):
+    assert cli.main(["build", "--help"]) == 0
+    assert "--reset-options" in capsys.readouterr().out
 
 
 def test_fake_build_disk_full(fake_toolchain, monkeypatch):

@@ -17,7 +17,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from pyllama_headinfer.build import toolchain
 from pyllama_headinfer import paths, pin
@@ -53,6 +53,14 @@ def _base_options(tools: bool) -> Dict[str, str]:
 
 
 _NAME_RE = r"[A-Za-z_][A-Za-z0-9_.+-]*"
+
+
+def tool_option_names() -> Set[str]:
+    """The CMake options the build tool sets itself (in any configuration); the others are the user's."""
+    names = set(_base_options(True)) | {"CMAKE_BUILD_TYPE", "GGML_CUDA", "CMAKE_CUDA_ARCHITECTURES",
+                                        "CMAKE_CUDA_COMPILER", "CMAKE_MAKE_PROGRAM"}
+    return names | {f"{prefix}_SANITIZE_{kind}" for prefix in ("LLAMA", "GGML")
+                    for kind in ("ADDRESS", "UNDEFINED", "THREAD")}
 
 
 def parse_define(arg: str) -> Tuple[str, Optional[str], str]:
@@ -135,13 +143,18 @@ class BuildPlan:
     sanitize: Optional[str] = None
     tools: bool = False
     notes: List[str] = field(default_factory=list)
+    user_options: Dict[str, str] = field(default_factory=dict)  # the -D options from the user ($CMAKE_ARGS too)
+
+    def _define(self, name: str, value: str) -> str:
+        typ = self.option_types.get(name)
+        return f"-D{name}:{typ}={value}" if typ else f"-D{name}={value}"
 
     def defines(self) -> List[str]:
-        out = []
-        for name, value in self.options.items():
-            typ = self.option_types.get(name)
-            out.append(f"-D{name}:{typ}={value}" if typ else f"-D{name}={value}")
-        return out
+        return [self._define(name, value) for name, value in self.options.items()]
+
+    def user_defines(self) -> List[str]:
+        """The user's -D options, as given (what a build directory remembers: see steps.configured_user_defines)."""
+        return [self._define(name, value) for name, value in self.user_options.items()]
 
 
 def _user_options(cmake_args: Sequence[str], env: Mapping[str, str]) -> Tuple[Dict[str, str], Dict[str, str]]:
@@ -237,7 +250,8 @@ def plan_build(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
     directory = Path(build_dir).expanduser().resolve() if build_dir else paths.build_root() / key
     return BuildPlan(backend=backend, key=key, build_dir=directory, options=options,
                      option_types={k: v for k, v in user_types.items() if k in options},
-                     build_type=btype, cuda_arch=arch, nvcc=nvcc, sanitize=sanitize, tools=tools, notes=notes)
+                     build_type=btype, cuda_arch=arch, nvcc=nvcc, sanitize=sanitize, tools=tools, notes=notes,
+                     user_options={k: v for k, v in user.items() if options.get(k) == v})  # those in effect
 
 
 # --------------------------------------------------------------------------
