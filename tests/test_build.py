@@ -444,6 +444,7 @@ echo "$@" >> "$B/ninja-argv.log"
 case "$FAKE_NINJA_MODE" in
   ok) for i in 1 2 3 4; do echo "[$i/4] Building CXX object x$i.o"; done
       touch "$B/bin/libggml.so" "$B/bin/libllama.so"; exit 0;;
+  rmdir) echo "[1/4] Building CXX object a.o"; rm -rf "$B"; echo "FAILED: b.o"; exit 1;;
   full) echo "[1/4] Building CXX object a.o"; echo "FAILED: b.o"
         echo "/usr/bin/as: b.o: No space left on device"; echo "ninja: build stopped: subcommand failed."; exit 1;;
 esac
@@ -574,6 +575,61 @@ def test_fake_build_disk_full(fake_toolchain, monkeypatch):
     assert err.value.kind == "disk_full"
     assert "No space left on device" in out.getvalue()  # the tail of the log was shown
     assert not (d / "manifest.json").exists()
+
+
+def test_a_build_directory_removed_while_building_is_one_clear_error(fake_toolchain, monkeypatch, capsys,
+                                                                      restore_logging):
+    """`rm -rf` of the directory mid-build printed "last 0 lines of build.log" (issue 26)."""
+    monkeypatch.setenv("FAKE_NINJA_MODE", "rmdir")
+    d = fake_toolchain / "b"
+    assert cli.main(["build", "--no-bindings", "--build-dir", str(d)]) == 1
+    err = capsys.readouterr().err
+    assert "last 0 lines" not in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"error: The build directory {d} was removed while building; "
+                                            "run the build again to build it anew.")
+
+
+REMOVING_HOLDER = """
+import sys, shutil, time
+from pathlib import Path
+from pyllama_headinfer.build.lock import build_lock
+d, waiting = Path(sys.argv[1]), Path(sys.argv[2])
+with build_lock(d):
+    print("locked", flush=True)
+    deadline = time.monotonic() + 60
+    while not waiting.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shutil.rmtree(d)  # the user removes the directory while this build holds it
+"""
+
+
+def test_a_build_waiting_for_a_directory_that_is_removed_fails_clearly(fake_toolchain, monkeypatch, capsys,
+                                                                       restore_logging):
+    """The build that waited for the lock used to die on `[Errno 2] ... build.log` with exit status 2."""
+    monkeypatch.setenv("FAKE_NINJA_MODE", "ok")
+    d = fake_toolchain / "b"
+    d.mkdir()
+    waiting = fake_toolchain / "waiting"
+    holder = subprocess.Popen([sys.executable, "-c", REMOVING_HOLDER, str(d), str(waiting)], stdout=subprocess.PIPE,
+                              text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path)))
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+
+        class Signal(io.StringIO):  # tells the holder when this build waits
+            def write(self, text):
+                if "Waiting for another build" in text:
+                    waiting.touch()
+                return super().write(text)
+
+        out = Signal()
+        with pytest.raises(BuildError) as err:
+            B.build(build_dir=d, bindings=False, out=out)
+    finally:
+        holder.wait(timeout=60)
+    assert str(err.value) == (f"The build directory {d} was removed while another build was using it (this one "
+                              "waited for it); run the build again to build it anew.")
+    assert cli.exit_status(err.value) == 1
+    assert not d.exists()  # and nothing was made in its place
 
 
 # --------------------------------------------------------------------------

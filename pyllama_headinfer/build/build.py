@@ -47,7 +47,7 @@ from typing import IO, Mapping, Optional, Sequence
 
 from pyllama_headinfer.build import toolchain
 from pyllama_headinfer import pin
-from pyllama_headinfer.build.lock import build_lock
+from pyllama_headinfer.build.lock import build_lock, removal_is_one_error
 from pyllama_headinfer.build.plan import BuildPlan, parse_define, plan_build
 from pyllama_headinfer.build.steps import (STATE_NAME, bindings_fingerprint, build_bindings, configure_if_needed,
                                            configured_tools, configured_user_defines, configured_with_tools,
@@ -176,7 +176,7 @@ def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch,
     except OSError as exc:
         raise BuildError(f"Cannot create the build directory {d}: {exc}") from None
     lock_start = time.monotonic()
-    with build_lock(d, wait=wait, say=say):
+    with build_lock(d, wait=wait, say=say) as lock, removal_is_one_error(lock):
         waited = time.monotonic() - lock_start
         start += waited  # report the work, not the wait for another build
         check_disk(d, not (d / "build.ninja").exists(), plan.backend == "cuda")

@@ -270,10 +270,11 @@ def _fail(step: str, rc: int, log_path: Path, say, advice: str = "") -> BuildErr
     lines = tail(log_path, TAIL_LINES)
     if rc in (-signal.SIGINT, 128 + signal.SIGINT) or any("interrupted by user" in line for line in lines[-3:]):
         return interrupted_error()
-    say(f"--- last {len(lines)} lines of {log_path} ---")
-    for line in lines:
-        say(line)
-    say("---")
+    if lines or log_path.is_file():  # no log: the directory was removed (build_lock says so)
+        say(f"--- last {len(lines)} lines of {log_path} ---")
+        for line in lines:
+            say(line)
+        say("---")
     try:
         whole = log_path.read_text(errors="replace").splitlines()
     except OSError:
