@@ -34,7 +34,7 @@ from pyllama_headinfer.build.series_swap import prepare_source
 from pyllama_headinfer.cli import main as cli
 from pyllama_headinfer.errors import BuildError, NotBuiltError, UsageError
 from pyllama_headinfer.patches.status import State, status
-from pyllama_headinfer.runtime.manifest import find_manifest, read_manifest
+from pyllama_headinfer.runtime.manifest import MANIFEST_FORMAT, find_manifest, read_manifest
 from pyllama_headinfer.series import read_series_names, series_hash
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -408,6 +408,35 @@ def test_lock_outlives_a_killed_build_while_its_ninja_runs(tmp_path):
 def test_load_manifest_without_build(tmp_path):
     with pytest.raises(NotBuiltError, match="run `python -m pyllama_headinfer build`"):
         read_manifest(tmp_path)
+
+
+def _fake_finished_build(d: Path, mtime: float) -> Path:
+    (d / "bin").mkdir(parents=True)
+    (d / "bin" / "libllama.so").write_bytes(b"")
+    write_json(d / "manifest.json", {"format": MANIFEST_FORMAT, "build_dir": str(d),
+                                     "libraries": {"llama": str(d / "bin" / "libllama.so")}})
+    os.utime(d / "manifest.json", (mtime, mtime))
+    return d
+
+
+def test_the_runtime_says_which_build_it_uses_and_why(tmp_path, monkeypatch, caplog):
+    """"The most recently finished build wins" switched builds silently (issue 26)."""
+    import logging
+
+    from pyllama_headinfer.runtime import manifest as M
+
+    monkeypatch.setattr(paths, "build_root", lambda: tmp_path)
+    monkeypatch.delenv(M.BUILD_DIR_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    older = _fake_finished_build(tmp_path / "cpu", 1_700_000_000)
+    newer = _fake_finished_build(tmp_path / "noamx", 1_700_000_100)
+    caplog.set_level(logging.INFO, logger="pyllama_headinfer.runtime")
+    M.announce(find_manifest())
+    assert caplog.messages == ["using noamx (most recently finished; set PYLLAMA_HEADINFER_BUILD_DIR to choose)"]
+    monkeypatch.setenv(M.BUILD_DIR_ENV, str(older))
+    assert M.describe_choice(find_manifest()) == "using cpu (from $PYLLAMA_HEADINFER_BUILD_DIR)"
+    monkeypatch.chdir(ROOT)  # a build outside the current directory: its whole path
+    assert M.describe_choice(find_manifest(newer)) == f"using {newer} (named by the caller)"
 
 
 def test_cli_dry_run(capsys, monkeypatch, restore_logging):

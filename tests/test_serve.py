@@ -29,6 +29,7 @@ import pytest
 
 from pyllama_headinfer.cli import serve as serve_cli
 from pyllama_headinfer.errors import ServeError
+from pyllama_headinfer.runtime.manifest import describe_choice, find_manifest
 from testing_models import CORPUS, FORCE_SPLIT
 
 N_CTX = 512  # two slots of 256 cells
@@ -226,6 +227,20 @@ def test_draft_model_keeps_its_kv_whole(server_binary, gguf_models, tmp_path):
     assert "draft_n" not in timings["plain"] and timings["draft"]["draft_n"] >= 4
     assert timings["draft"]["draft_n_accepted"] > 0.9 * timings["draft"]["draft_n"], timings["draft"]
     assert len(lines["draft"]) == len(lines["plain"]) >= 1, lines  # no second split line: the draft's context
+
+
+def test_serve_says_which_build_it_runs(server_binary, gguf_models, capsys):
+    """`serve` runs the llama-server of the most recently finished build: it says which one, and why (issue 26)."""
+    from pyllama_headinfer.cli import main as cli
+
+    with socket.socket() as busy:  # a port in use: serve stops right after choosing the build
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli.main(["serve", "--model", str(gguf_models["llama-gqa"]), "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use" in err
+    assert [line for line in err.splitlines() if line.startswith("using ")] == [describe_choice(find_manifest())]
 
 
 # stands in for llama-server: answers /health, says its pid, never exits by itself

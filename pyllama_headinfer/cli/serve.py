@@ -44,7 +44,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from pyllama_headinfer.errors import PlanError, ServeError, UsageError
 from pyllama_headinfer.params import ContextParams, check_headinfer_frac, format_bytes
-from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, find_manifest
+from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, announce, find_manifest
 from pyllama_headinfer.vram.model import read_model_info
 from pyllama_headinfer.vram.speed import rank_options
 
@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
 def find_server() -> Path:
     """The llama-server of the build in use (``build --tools`` makes it)."""
     manifest = find_manifest()
+    announce(manifest)
     bdir = manifest.build_dir
     path = (manifest.data.get("executables") or {}).get(SERVER)
     if not path or not Path(path).is_file():
