@@ -32,9 +32,9 @@ from pyllama_headinfer.build.progress import Progress, classify_failure, parse_p
 from pyllama_headinfer.build.record import write_json
 from pyllama_headinfer.build.series_swap import prepare_source
 from pyllama_headinfer.cli import main as cli
-from pyllama_headinfer.errors import BuildError, NotBuiltError
+from pyllama_headinfer.errors import BuildError, NotBuiltError, UsageError
 from pyllama_headinfer.patches.status import State, status
-from pyllama_headinfer.runtime.manifest import find_manifest, read_manifest
+from pyllama_headinfer.runtime.manifest import MANIFEST_FORMAT, find_manifest, read_manifest
 from pyllama_headinfer.series import read_series_names, series_hash
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,8 +141,27 @@ def test_parse_define():
     assert parse_define("-D CMAKE_CUDA_ARCHITECTURES=86;90") == ("CMAKE_CUDA_ARCHITECTURES", None, "86;90")
     assert split_cmake_args(["-D", "A=1", "-DB=2"]) == ["-DA=1", "-DB=2"]
     for bad in ("-G", "-GNinja", "--fresh", "-DNOVALUE", "-S/tmp"):
-        with pytest.raises(BuildError, match="only -DNAME=VALUE"):
+        with pytest.raises(UsageError, match="only -DNAME=VALUE"):
             parse_define(bad)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["-DFOO"], "'-DFOO' has no value: write -DFOO=VALUE"),
+    (["-D", "GGML_NATIVE:BOOL"], "has no value: write -DGGML_NATIVE:BOOL=VALUE"),
+    (["--cmake-arg=-GNinja"], "only -DNAME=VALUE options are passed through"),
+])
+def test_a_malformed_define_is_bad_usage_before_any_work(argv, said, tmp_path, capsys, monkeypatch,
+                                                         restore_logging):
+    """`build -DFOO` exited 1 (a failed build) although README's table says bad usage is 2 (issue 26.5)."""
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    d = tmp_path / "b"
+    assert cli.main(["build", "--no-cuda", "--build-dir", str(d), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: Cannot pass") and said in err[0], err
+    assert not d.exists()  # nothing was done
+    monkeypatch.setenv("CMAKE_ARGS", "-DGGML_NATIVE")
+    assert cli.main(["build", "--no-cuda", "--build-dir", str(d), "--dry-run"]) == 2
+    assert "'-DGGML_NATIVE' has no value" in capsys.readouterr().err
 
 
 def test_config_keys():
@@ -199,6 +218,13 @@ def test_plan_cmake_args_env_and_cli():
     assert plan_build(env=env, probe_fn=_no_gpu, cuda_arch="90").key == "cuda-sm90"
     with pytest.raises(BuildError, match="contradicts"):
         plan_build(env=env, probe_fn=_no_gpu, cuda=False)
+
+
+def test_a_directory_remembers_only_the_defines_in_effect():
+    """--cuda-arch and --build-type win over a -D of theirs: such a -D is not what the directory was built with."""
+    env = {"CMAKE_ARGS": "-DCMAKE_CUDA_ARCHITECTURES=86 -DCMAKE_BUILD_TYPE=Debug -DGGML_LTO=ON"}
+    plan = plan_build(env=env, probe_fn=_no_gpu, cuda=True, cuda_arch="90", build_type="Release")
+    assert plan.user_defines() == ["-DGGML_LTO=ON"]
 
 
 def test_plan_sanitize():
@@ -384,6 +410,35 @@ def test_load_manifest_without_build(tmp_path):
         read_manifest(tmp_path)
 
 
+def _fake_finished_build(d: Path, mtime: float) -> Path:
+    (d / "bin").mkdir(parents=True)
+    (d / "bin" / "libllama.so").write_bytes(b"")
+    write_json(d / "manifest.json", {"format": MANIFEST_FORMAT, "build_dir": str(d),
+                                     "libraries": {"llama": str(d / "bin" / "libllama.so")}})
+    os.utime(d / "manifest.json", (mtime, mtime))
+    return d
+
+
+def test_the_runtime_says_which_build_it_uses_and_why(tmp_path, monkeypatch, caplog):
+    """"The most recently finished build wins" switched builds silently (issue 26)."""
+    import logging
+
+    from pyllama_headinfer.runtime import manifest as M
+
+    monkeypatch.setattr(paths, "build_root", lambda: tmp_path)
+    monkeypatch.delenv(M.BUILD_DIR_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    older = _fake_finished_build(tmp_path / "cpu", 1_700_000_000)
+    newer = _fake_finished_build(tmp_path / "noamx", 1_700_000_100)
+    caplog.set_level(logging.INFO, logger="pyllama_headinfer.runtime")
+    M.announce(find_manifest())
+    assert caplog.messages == ["using noamx (most recently finished; set PYLLAMA_HEADINFER_BUILD_DIR to choose)"]
+    monkeypatch.setenv(M.BUILD_DIR_ENV, str(older))
+    assert M.describe_choice(find_manifest()) == "using cpu (from $PYLLAMA_HEADINFER_BUILD_DIR)"
+    monkeypatch.chdir(ROOT)  # a build outside the current directory: its whole path
+    assert M.describe_choice(find_manifest(newer)) == f"using {newer} (named by the caller)"
+
+
 def test_cli_dry_run(capsys, monkeypatch, restore_logging):
     monkeypatch.setattr(toolchain, "probe_cuda", _no_gpu)
     monkeypatch.delenv("CMAKE_ARGS", raising=False)
@@ -418,6 +473,7 @@ echo "$@" >> "$B/ninja-argv.log"
 case "$FAKE_NINJA_MODE" in
   ok) for i in 1 2 3 4; do echo "[$i/4] Building CXX object x$i.o"; done
       touch "$B/bin/libggml.so" "$B/bin/libllama.so"; exit 0;;
+  rmdir) echo "[1/4] Building CXX object a.o"; rm -rf "$B"; echo "FAILED: b.o"; exit 1;;
   full) echo "[1/4] Building CXX object a.o"; echo "FAILED: b.o"
         echo "/usr/bin/as: b.o: No space left on device"; echo "ninja: build stopped: subcommand failed."; exit 1;;
 esac
@@ -481,6 +537,61 @@ def test_a_plain_build_keeps_the_tools_of_the_directory(fake_toolchain, monkeypa
     assert not plain.configured
 
 
+def test_a_later_build_keeps_the_defines_of_the_directory(fake_toolchain, monkeypatch, capsys, restore_logging):
+    """README's workaround (`build --build-dir build/noamx -DGGML_NATIVE=OFF ...`) lost its -D options
+    at the next `build --build-dir build/noamx --tools`, which compiled natively again (issue 26)."""
+    monkeypatch.setenv("FAKE_NINJA_MODE", "ok")
+    d = fake_toolchain / "noamx"
+    B.build(build_dir=d, bindings=False, out=io.StringIO(), cmake_args=["-DGGML_NATIVE=OFF", "-DGGML_AVX2:BOOL=ON"])
+    out = io.StringIO()
+    with_tools = B.build(build_dir=d, bindings=False, out=out, tools=True)
+    m = read_manifest(d).data
+    assert m["cmake_options"]["GGML_NATIVE"] == "OFF" and m["cmake_options"]["LLAMA_BUILD_TOOLS"] == "ON"
+    assert "-DGGML_AVX2:BOOL=ON" in m["cmake_configure"]  # with its type
+    said = [line for line in out.getvalue().splitlines() if "-D options" in line]
+    assert said == ["Keeping the -D options this directory was configured with: -DGGML_NATIVE=OFF "
+                    "-DGGML_AVX2:BOOL=ON (a new -D of the same name overrides one; --reset-options drops them)."]
+    assert with_tools.configured and "GGML_NATIVE" not in out.getvalue().split("Configuring")[1].splitlines()[0]
+    assert not B.build(build_dir=d, bindings=False, out=io.StringIO()).configured  # tools and -D kept
+
+    # --dry-run shows what a build would pass
+    assert cli.main(["build", "--dry-run", "--build-dir", str(d)]) == 0
+    shown = capsys.readouterr()
+    assert json.loads(shown.out)["cmake_options"]["GGML_NATIVE"] == "OFF" and "Keeping the -D options" in shown.err
+
+    out = io.StringIO()
+    B.build(build_dir=d, bindings=False, out=out, cmake_args=["-DGGML_NATIVE=ON"])  # a new value wins
+    assert read_manifest(d).data["cmake_options"]["GGML_NATIVE"] == "ON"
+    assert "configured with: -DGGML_AVX2:BOOL=ON (" in out.getvalue()
+    assert read_manifest(d).data["cmake_options"]["GGML_AVX2"] == "ON"
+
+    out = io.StringIO()
+    reset = B.build(build_dir=d, bindings=False, out=out, reset_options=True)
+    assert reset.configured and "Dropping the -D options this directory was configured with (--reset-options): " \
+        "-DGGML_AVX2:BOOL=ON -DGGML_NATIVE=ON" in out.getvalue()
+    options = read_manifest(d).data["cmake_options"]
+    assert "GGML_NATIVE" not in options and "GGML_AVX2" not in options and options["LLAMA_BUILD_TOOLS"] == "ON"
+    out = io.StringIO()
+    assert not B.build(build_dir=d, bindings=False, out=out).configured and "-D options" not in out.getvalue()
+
+
+def test_defines_of_a_directory_configured_before_they_were_recorded(tmp_path):
+    """A configure state written before `user_defines` existed: the user's options are the -D of its
+    command line that the tool does not set itself."""
+    write_json(tmp_path / steps.STATE_NAME, {"argv": [
+        "/x/cmake", "-S", "/src", "-B", str(tmp_path), "-G", "Ninja", "-DCMAKE_MAKE_PROGRAM=/x/ninja",
+        "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TOOLS=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
+        "-DGGML_AVX:BOOL=ON"]})
+    assert steps.configured_user_defines(tmp_path) == ["-DGGML_NATIVE=OFF", "-DGGML_AVX:BOOL=ON"]
+    write_json(tmp_path / steps.STATE_NAME, {"argv": ["/x/cmake", "-DGGML_NATIVE=OFF"], "user_defines": []})
+    assert steps.configured_user_defines(tmp_path) == []
+
+
+def test_build_help_documents_reset_options(capsys):
+    assert cli.main(["build", "--help"]) == 0
+    assert "--reset-options" in capsys.readouterr().out
+
+
 def test_fake_build_disk_full(fake_toolchain, monkeypatch):
     monkeypatch.setenv("FAKE_NINJA_MODE", "full")
     out = io.StringIO()
@@ -493,6 +604,61 @@ def test_fake_build_disk_full(fake_toolchain, monkeypatch):
     assert err.value.kind == "disk_full"
     assert "No space left on device" in out.getvalue()  # the tail of the log was shown
     assert not (d / "manifest.json").exists()
+
+
+def test_a_build_directory_removed_while_building_is_one_clear_error(fake_toolchain, monkeypatch, capsys,
+                                                                      restore_logging):
+    """`rm -rf` of the directory mid-build printed "last 0 lines of build.log" (issue 26)."""
+    monkeypatch.setenv("FAKE_NINJA_MODE", "rmdir")
+    d = fake_toolchain / "b"
+    assert cli.main(["build", "--no-bindings", "--build-dir", str(d)]) == 1
+    err = capsys.readouterr().err
+    assert "last 0 lines" not in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"error: The build directory {d} was removed while building; "
+                                            "run the build again to build it anew.")
+
+
+REMOVING_HOLDER = """
+import sys, shutil, time
+from pathlib import Path
+from pyllama_headinfer.build.lock import build_lock
+d, waiting = Path(sys.argv[1]), Path(sys.argv[2])
+with build_lock(d):
+    print("locked", flush=True)
+    deadline = time.monotonic() + 60
+    while not waiting.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shutil.rmtree(d)  # the user removes the directory while this build holds it
+"""
+
+
+def test_a_build_waiting_for_a_directory_that_is_removed_fails_clearly(fake_toolchain, monkeypatch, capsys,
+                                                                       restore_logging):
+    """The build that waited for the lock used to die on `[Errno 2] ... build.log` with exit status 2."""
+    monkeypatch.setenv("FAKE_NINJA_MODE", "ok")
+    d = fake_toolchain / "b"
+    d.mkdir()
+    waiting = fake_toolchain / "waiting"
+    holder = subprocess.Popen([sys.executable, "-c", REMOVING_HOLDER, str(d), str(waiting)], stdout=subprocess.PIPE,
+                              text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path)))
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+
+        class Signal(io.StringIO):  # tells the holder when this build waits
+            def write(self, text):
+                if "Waiting for another build" in text:
+                    waiting.touch()
+                return super().write(text)
+
+        out = Signal()
+        with pytest.raises(BuildError) as err:
+            B.build(build_dir=d, bindings=False, out=out)
+    finally:
+        holder.wait(timeout=60)
+    assert str(err.value) == (f"The build directory {d} was removed while another build was using it (this one "
+                              "waited for it); run the build again to build it anew.")
+    assert cli.exit_status(err.value) == 1
+    assert not d.exists()  # and nothing was made in its place
 
 
 # --------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, find_manifest
+from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, describe_choice, find_manifest
 from testing_models import CORPUS, FORCE_SPLIT, SPECS, SPLIT_TEST_MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -336,7 +336,7 @@ def test_cli_missing_model(tmp_path, capsys):
     assert rc == 2 and "not found" in err
 
 
-def test_cli_subprocess(llama, gguf_models):
+def test_cli_subprocess(llama, gguf_models, monkeypatch):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.setdefault(BUILD_DIR_ENV, str(find_manifest().build_dir))
     res = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "generate", "--model",
@@ -344,3 +344,8 @@ def test_cli_subprocess(llama, gguf_models):
                           "--ctx", "128", "--threads", "1"], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() and "tokens/s" in res.stderr
+    # which build, and why (issue 26): one line
+    monkeypatch.setenv(BUILD_DIR_ENV, env[BUILD_DIR_ENV])
+    expected = describe_choice(find_manifest())  # "using build/cpu (from $PYLLAMA_HEADINFER_BUILD_DIR)"
+    assert expected.endswith(f" (from ${BUILD_DIR_ENV})")
+    assert [line for line in res.stderr.splitlines() if line.startswith("using ")] == [expected], res.stderr

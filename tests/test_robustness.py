@@ -1,5 +1,6 @@
 """What a new user hit (issue 16): a Context shared by threads, failed state
-loads, state files on a full disk.
+loads, state files on a full disk; and (issue 26) a GGUF whose tensors have a
+type llama.cpp loads but cannot compute with.
 
 The thread and full-disk cases run in a child interpreter: before the fixes
 the first one aborted the process (``GGML_ASSERT(!sched->is_alloc)``), which
@@ -319,3 +320,83 @@ def test_not_built_message_names_the_build_dir_in_use(built, gguf_models, tmp_pa
     message = proc.stdout.strip()
     assert f"build --build-dir {env_dir}`" in message, message
     assert message.count("python -m pyllama_headinfer build") == 1, message
+
+
+# --------------------------------------------------------------------------
+# issue 26: tensor types llama.cpp loads but cannot compute with
+
+
+def write_retyped(path, tensor: str, dtype) -> "Path":
+    """llama-gqa with one tensor stored as ``dtype``: a numpy type (F64, I8, I16, I32) or a
+    gguf.GGMLQuantizationType (written as zero bytes of that type's size)."""
+    import gguf
+    import testing_models as tm
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def retyped(self, name, data, *args, **kwargs):
+        if name != tensor:
+            return add_tensor(self, name, data, *args, **kwargs)
+        if isinstance(dtype, GGMLQuantizationType):
+            block, size = GGML_QUANT_SIZES[dtype]
+            raw = np.zeros((data.shape[0], data.shape[1] // block * size), dtype=np.uint8)
+            return add_tensor(self, name, raw, raw_dtype=dtype)
+        return add_tensor(self, name, (data * 100).astype(dtype))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf.GGUFWriter, "add_tensor", retyped)
+        return tm.write_model(tm.SPECS["llama-gqa"], path)
+
+
+def _unrunnable_models(tmp_path):
+    from gguf import GGMLQuantizationType
+
+    return {
+        "F64": write_retyped(tmp_path / "q-f64.gguf", "blk.0.attn_q.weight", np.float64),  # segfault in decode
+        "I32": write_retyped(tmp_path / "emb-i32.gguf", "token_embd.weight", np.int32),  # GGML_ASSERT in Context()
+        "I8": write_retyped(tmp_path / "out-i8.gguf", "output.weight", np.int8),
+        "Q8_K": write_retyped(tmp_path / "q-q8k.gguf", "blk.1.attn_q.weight", GGMLQuantizationType.Q8_K),
+    }
+
+
+def test_check_gguf_refuses_tensor_types_llama_cpp_cannot_compute_with(tmp_path):
+    from pyllama_headinfer.errors import ModelError
+    from pyllama_headinfer.llama import check_gguf
+
+    for typ, path in _unrunnable_models(tmp_path).items():
+        with pytest.raises(ModelError, match=rf"cannot compute with tensors of type {typ}: \S+\.weight; "):
+            check_gguf(path)
+
+
+UNRUNNABLE_CHILD = """
+    import sys
+    from pyllama_headinfer.llama import Model, Context, ModelError
+    for path in sys.argv[1:]:
+        try:
+            with Model(path) as model, Context(model, n_ctx=64, n_threads=1) as ctx:
+                ctx.decode(model.tokenize("hi"))
+            print("ran", path)
+        except ModelError as exc:
+            print("ModelError", exc)
+    with Model(sys.argv[1], vocab_only=True) as model:  # the tokenizer alone computes nothing: allowed
+        print("vocab", len(model.tokenize("hi")) > 0)
+"""
+
+
+def test_unrunnable_tensor_types_are_an_error_not_a_crash(built, tmp_path):
+    """Before the check, llama.cpp loaded these files and then aborted (GGML_ASSERT) or segfaulted
+    in Context() or the first decode, taking the interpreter with it; `generate` died the same way."""
+    models = _unrunnable_models(tmp_path)
+    child = run_child(UNRUNNABLE_CHILD, *map(str, models.values()))
+    assert child.returncode == 0, child.stderr[-3000:]
+    lines = child.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[:-1]] == [f"ModelError {p}" for p in models.values()], lines
+    assert lines[-1] == "vocab True"
+    for typ, path in models.items():
+        cli = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "generate", "--model", str(path),
+                              "--prompt", "hi", "-n", "2"], capture_output=True, text=True, timeout=240,
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path)))
+        assert cli.returncode == 1, cli.stderr[-3000:]
+        assert cli.stderr.strip().splitlines()[-1].startswith(f"error: {path}: llama.cpp cannot compute with "
+                                                              f"tensors of type {typ}")

@@ -15,15 +15,21 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
 
 from pyllama_headinfer.cli import serve as serve_cli
 from pyllama_headinfer.errors import ServeError
+from pyllama_headinfer.runtime.manifest import describe_choice, find_manifest
 from testing_models import CORPUS, FORCE_SPLIT
 
 N_CTX = 512  # two slots of 256 cells
@@ -221,3 +227,96 @@ def test_draft_model_keeps_its_kv_whole(server_binary, gguf_models, tmp_path):
     assert "draft_n" not in timings["plain"] and timings["draft"]["draft_n"] >= 4
     assert timings["draft"]["draft_n_accepted"] > 0.9 * timings["draft"]["draft_n"], timings["draft"]
     assert len(lines["draft"]) == len(lines["plain"]) >= 1, lines  # no second split line: the draft's context
+
+
+def test_serve_says_which_build_it_runs(server_binary, gguf_models, capsys):
+    """`serve` runs the llama-server of the most recently finished build: it says which one, and why (issue 26)."""
+    from pyllama_headinfer.cli import main as cli
+
+    with socket.socket() as busy:  # a port in use: serve stops right after choosing the build
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli.main(["serve", "--model", str(gguf_models["llama-gqa"]), "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use" in err
+    assert [line for line in err.splitlines() if line.startswith("using ")] == [describe_choice(find_manifest())]
+
+
+# stands in for llama-server: answers /health, says its pid, never exits by itself
+FAKE_SERVER = """
+import http.server, os, sys
+args = sys.argv[1:]
+host, port = args[args.index("--host") + 1], int(args[args.index("--port") + 1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b'{"status": "ok"}')
+
+    def log_message(self, *args):
+        pass
+
+with open(os.environ["FAKE_SERVER_PID"], "w") as f:
+    f.write(str(os.getpid()))
+http.server.HTTPServer((host, port), Health).serve_forever()
+"""
+
+# the `serve` wrapper, around the stand-in
+WRAPPER = """
+import sys
+from pathlib import Path
+from pyllama_headinfer.cli import serve as serve_cli
+command = serve_cli.server_command(sys.argv[1], frac=1.0, vram_budget=None, margin="0", host="127.0.0.1",
+                                   port=int(sys.argv[2]), extra=[], server=Path(sys.argv[3]))
+sys.exit(serve_cli.serve(command))
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for its new parent to reap it does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_serve_takes_its_server_along(tmp_path):
+    """`kill -9` of `serve` orphaned llama-server (in its own session), which kept the port (issue 26)."""
+    server = tmp_path / "llama-server"
+    server.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    server.chmod(0o755)
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"")  # never read: --frac is given and the stand-in ignores -m
+    pid_file, port = tmp_path / "server.pid", free_port()
+    root = str(Path(__file__).resolve().parents[1])
+    wrapper = subprocess.Popen([sys.executable, "-c", WRAPPER, str(model), str(port), str(server)],
+                               stderr=subprocess.PIPE, text=True,
+                               env=dict(os.environ, FAKE_SERVER_PID=str(pid_file),
+                                        PYTHONPATH=os.pathsep.join([root] + sys.path)))
+    pid = None
+    try:
+        lines = []
+        for line in wrapper.stderr:  # until the wrapper says the server is ready
+            lines.append(line)
+            if "ready at" in line:
+                break
+        assert pid_file.is_file(), "".join(lines)
+        pid = int(pid_file.read_text())
+        assert _running(pid) and serve_cli.port_in_use("127.0.0.1", port)
+        wrapper.send_signal(signal.SIGKILL)
+        wrapper.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(pid), "the server outlived the killed serve"
+        assert not serve_cli.port_in_use("127.0.0.1", port)
+    finally:
+        if wrapper.poll() is None:
+            wrapper.kill()
+            wrapper.wait()
+        if pid is not None and _running(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -436,3 +436,47 @@ def test_an_unreachable_archive_host_is_one_short_line(isolated_cache, monkeypat
     message = str(err.value)
     assert "host.invalid" in message and "\n" not in message and len(message) < 200, message
     assert "NameResolutionError" not in message and "object at 0x" not in message, message
+
+
+def test_a_downloaded_sdist_is_used_without_trying_github(pinned_sdist, dead_url, monkeypatch, caplog):
+    """The first build tried GitHub first and logged its resolve failure like an error, before using
+    the sdist it had (issue 26)."""
+    downloads = fetch.downloads_dir()
+    downloads.mkdir(parents=True)
+    (downloads / pinned_sdist.name).symlink_to(pinned_sdist)
+    monkeypatch.setenv(fetch.ARCHIVE_URL_ENV, dead_url)
+    caplog.set_level(logging.INFO, logger="pyllama_headinfer.source")
+    assert fetch.ensure_source() == fetch.cached_tree_path()
+    assert not [m for m in caplog.messages if "GitHub" in m or "failed" in m], caplog.messages
+    assert any("using the sdist downloaded earlier" in m for m in caplog.messages)
+
+
+def test_pypi_comes_first_and_a_failed_source_with_another_left_is_no_error(monkeypatch, caplog, tmp_path):
+    tried = []
+
+    def pypi(downloads):
+        tried.append("pypi")
+        raise SourceError("pip download failed (exit 1): no network")
+
+    def github(downloads):
+        tried.append("github")
+        raise SourceError("download failed: the host name does not resolve (no network?)")
+
+    monkeypatch.setattr(fetch, "_download_sdist", pypi)
+    monkeypatch.setattr(fetch, "_download_github_archive", github)
+    caplog.set_level(logging.INFO, logger="pyllama_headinfer.source")
+    with pytest.raises(SourceError) as failure:
+        fetch.fetch_source()
+    assert tried == ["pypi", "github"]
+    assert [r.levelno for r in caplog.records if "not available" in r.getMessage()] == [logging.INFO]
+    assert any(m.startswith(f"PyPI sdist {pin.SDIST_NAME}=={pin.SDIST_VERSION}: not available (pip download "
+                            "failed (exit 1): no network); trying the GitHub archive") for m in caplog.messages)
+    assert "does not resolve" in str(failure.value) and "no network" in str(failure.value)  # all, in the error
+
+    # an archive downloaded earlier goes first, before any network
+    tried.clear()
+    fetch.downloads_dir().mkdir(parents=True, exist_ok=True)
+    (fetch.downloads_dir() / f"llama.cpp-{pin.LLAMA_CPP_COMMIT}.tar.gz").write_bytes(b"")
+    with pytest.raises(SourceError):
+        fetch.fetch_source()
+    assert tried == ["github", "pypi"]

@@ -13,6 +13,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from pyllama_headinfer.api.chat import apply_chat_template
+from pyllama_headinfer.api.gguf_check import check_tensor_types
 from pyllama_headinfer.api.handle import Handle
 from pyllama_headinfer.errors import HeadInferError, ModelError, TokenError
 from pyllama_headinfer.runtime import bindings
@@ -50,6 +51,8 @@ class Model(Handle):
         if not isinstance(n_gpu_layers, numbers.Integral):
             raise TypeError(f"n_gpu_layers must be an int, got {n_gpu_layers!r}")
         self.gguf = read_gguf(path)  # the pre-flight check: a corrupt file is a ModelError, not a crash
+        if not vocab_only:  # nor is a tensor type llama.cpp loads but cannot compute with
+            check_tensor_types(self.gguf)
         self.path = path
         self.n_gpu_layers = int(n_gpu_layers)  # where the layers are: HeadInfer's VRAM budget plan needs it
         ffi, lib = self._ffi, self._lib = bindings.load()

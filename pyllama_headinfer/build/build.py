@@ -3,7 +3,9 @@
 Steps (see docs/BUILD.md for the user's view):
 
 1. plan: backend (CUDA when nvcc *and* a GPU are there, or when asked),
-   CMake options, configuration key and build directory;
+   CMake options, configuration key and build directory; a directory keeps
+   the tools and the ``-D`` options it was configured with
+   (:func:`plan_for_directory`);
 2. take ``<build_dir>/.lock`` (one build per directory at a time);
 3. get the verified pinned tree and apply the patch series (both atomic);
 4. configure with CMake + Ninja, only when the directory has not been
@@ -45,10 +47,11 @@ from typing import IO, Mapping, Optional, Sequence
 
 from pyllama_headinfer.build import toolchain
 from pyllama_headinfer import pin
-from pyllama_headinfer.build.lock import build_lock
-from pyllama_headinfer.build.plan import plan_build
+from pyllama_headinfer.build.lock import build_lock, removal_is_one_error
+from pyllama_headinfer.build.plan import BuildPlan, parse_define, plan_build
 from pyllama_headinfer.build.steps import (STATE_NAME, bindings_fingerprint, build_bindings, configure_if_needed,
-                                           configured_tools, configured_with_tools, interrupted_error, library_targets,
+                                           configured_tools, configured_user_defines, configured_with_tools,
+                                           interrupted_error, library_targets,
                                            phony_outputs, run_ninja, select_targets)
 from pyllama_headinfer.errors import BuildError
 from pyllama_headinfer.build.record import manifest_record, write_json
@@ -85,10 +88,14 @@ class BuildResult:
 def build(*, llama_src: Optional[os.PathLike] = None, allow_unverified: bool = False,
           build_dir: Optional[os.PathLike] = None, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
           cmake_args: Sequence[str] = (), sanitize: Optional[str] = None, build_type: Optional[str] = None,
-          tools: Optional[bool] = None, jobs: Optional[int] = None, wait: bool = True, fresh: bool = False,
-          bindings: bool = True, verbose: bool = False, out: Optional[IO[str]] = None,
-          env: Optional[Mapping[str, str]] = None) -> BuildResult:
+          tools: Optional[bool] = None, reset_options: bool = False, jobs: Optional[int] = None,
+          wait: bool = True, fresh: bool = False, bindings: bool = True, verbose: bool = False,
+          out: Optional[IO[str]] = None, env: Optional[Mapping[str, str]] = None) -> BuildResult:
     """Builds the patched llama.cpp; returns where and what (see the module docstring).
+
+    The directory keeps the tools and the ``-D`` options it was configured with unless told
+    otherwise (``tools=False``, a new ``-D`` of the name, ``reset_options``): see
+    :func:`plan_for_directory`.
 
     Raises :class:`BuildError` (or another :class:`HeadInferError`) with a
     one-paragraph message on every expected failure, :class:`BuildInterrupted`
@@ -103,26 +110,58 @@ def build(*, llama_src: Optional[os.PathLike] = None, allow_unverified: bool = F
     try:
         return _build(say, out, llama_src=llama_src, allow_unverified=allow_unverified, build_dir=build_dir,
                       cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
-                      build_type=build_type, tools=tools, jobs=jobs, wait=wait, fresh=fresh,
-                      bindings=bindings, verbose=verbose, env=env)
+                      build_type=build_type, tools=tools, reset_options=reset_options, jobs=jobs, wait=wait,
+                      fresh=fresh, bindings=bindings, verbose=verbose, env=env)
     except KeyboardInterrupt:
         raise interrupted_error() from None
 
 
-def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch, cmake_args, sanitize,
-           build_type, tools, jobs, wait, fresh, bindings, verbose, env) -> BuildResult:
-    start = time.monotonic()
+def plan_for_directory(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
+                       cmake_args: Sequence[str] = (), sanitize: Optional[str] = None,
+                       build_type: Optional[str] = None, tools: Optional[bool] = None, reset_options: bool = False,
+                       build_dir: Optional[os.PathLike] = None, env: Optional[Mapping[str, str]] = None,
+                       say=lambda msg: None) -> BuildPlan:
+    """Step 1 with what the directory remembers (nothing is written).
+
+    A build directory keeps what it was configured with, so that a plain ``build`` of it
+    neither drops a part nor recompiles everything: the tools (``tools`` None keeps them,
+    False removes them) and the user's ``-D`` options (a new ``-D`` of the same name, or
+    ``--cuda``/``--no-cuda`` for ``GGML_CUDA``, overrides one; ``reset_options`` drops them
+    all). Each thing kept or dropped is one line through ``say``.
+    """
     plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
                       build_type=build_type, tools=bool(tools), build_dir=build_dir, env=env)
-    if tools is None and configured_with_tools(plan.build_dir):
+    d = plan.build_dir
+    remembered = [a for a in configured_user_defines(d)
+                  if parse_define(a)[0] not in plan.user_options
+                  and not (cuda is not None and parse_define(a)[0] == "GGML_CUDA")]
+    kept: Sequence[str] = ()
+    if remembered and reset_options:
+        say(f"Dropping the -D options this directory was configured with (--reset-options): {' '.join(remembered)}")
+    elif remembered:
+        kept = remembered
+        say(f"Keeping the -D options this directory was configured with: {' '.join(kept)} "
+            "(a new -D of the same name overrides one; --reset-options drops them).")
+    keep_tools = tools is None and configured_with_tools(d)
+    if keep_tools:
         # a plain `build` keeps what the directory was asked to build before (dropping the tools
         # would make the next `build --tools` recompile them all)
         say("Keeping llama-cli, llama-server and llama-bench: this directory was built with --tools "
             "(--no-tools removes them).")
-        plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
-                          build_type=build_type, tools=True, build_dir=build_dir, env=env)
-    elif tools is False and configured_with_tools(plan.build_dir):
+    elif tools is False and configured_with_tools(d):
         say("Removing llama-cli, llama-server and llama-bench from this directory's configuration (--no-tools).")
+    if kept or keep_tools:
+        plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=[*kept, *cmake_args], sanitize=sanitize,
+                          build_type=build_type, tools=bool(tools) or keep_tools, build_dir=d, env=env)
+    return plan
+
+
+def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch, cmake_args, sanitize,
+           build_type, tools, reset_options, jobs, wait, fresh, bindings, verbose, env) -> BuildResult:
+    start = time.monotonic()
+    plan = plan_for_directory(cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
+                              build_type=build_type, tools=tools, reset_options=reset_options,
+                              build_dir=build_dir, env=env, say=say)
     for note in plan.notes:
         say(note)
     d = plan.build_dir
@@ -137,7 +176,7 @@ def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch,
     except OSError as exc:
         raise BuildError(f"Cannot create the build directory {d}: {exc}") from None
     lock_start = time.monotonic()
-    with build_lock(d, wait=wait, say=say):
+    with build_lock(d, wait=wait, say=say) as lock, removal_is_one_error(lock):
         waited = time.monotonic() - lock_start
         start += waited  # report the work, not the wait for another build
         check_disk(d, not (d / "build.ninja").exists(), plan.backend == "cuda")

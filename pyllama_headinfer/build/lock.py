@@ -11,6 +11,11 @@ the open file, so the directory stays locked until the last of them exits.
 If the build's Python process is killed (``kill -9``), the next build waits
 for its orphaned ninja instead of starting a second one in the same
 directory.
+
+A lock belongs to the file, not to its name: when the directory is removed
+while a build holds it, :meth:`HeldLock.removed` says so, and a build that
+was waiting for it gets :func:`removed_error` (one line, exit status 1)
+instead of working in a directory that no longer exists.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ import sys
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator, Set, Tuple
+from typing import Iterator, Optional, Set, Tuple
 
-from pyllama_headinfer.errors import BuildError
+from pyllama_headinfer.errors import BuildError, BuildInterrupted
 
 try:  # POSIX only; on Windows the lock is skipped.
     import fcntl
@@ -68,15 +73,55 @@ def _lock_holder_text() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}, started {started}: {cmd}"
 
 
+class HeldLock:
+    """The lock :func:`build_lock` holds on ``<build_dir>/.lock``."""
+
+    def __init__(self, build_dir: Path, fd: Optional[int]):
+        self.build_dir, self.fd = build_dir, fd
+
+    def removed(self) -> bool:
+        """Whether ``<build_dir>/.lock`` is no longer the file locked here: the directory was
+        removed (or removed and made again) since."""
+        if self.fd is None:  # pragma: no cover - Windows: no lock
+            return not self.build_dir.is_dir()
+        try:
+            now = os.stat(self.build_dir / LOCK_NAME)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        held = os.fstat(self.fd)
+        return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
+
+def removed_error(build_dir: Path, waited: bool = False) -> BuildError:
+    """The error of a build whose directory was removed under it (``waited``: under the build it waited for)."""
+    when = "while another build was using it (this one waited for it)" if waited else "while building"
+    return BuildError(f"The build directory {build_dir} was removed {when}; run the build again to build it anew.")
+
+
 @contextmanager
-def build_lock(build_dir: Path, *, wait: bool = True, say=print) -> Iterator[None]:
+def removal_is_one_error(lock: HeldLock) -> Iterator[None]:
+    """Inside a build: once the directory is removed, every step fails on some missing file
+    (or ninja's log tail is empty); any such failure becomes :func:`removed_error`."""
+    try:
+        yield
+    except (BuildError, OSError) as exc:
+        if isinstance(exc, BuildInterrupted) or not lock.removed():
+            raise
+        raise removed_error(lock.build_dir) from None
+
+
+@contextmanager
+def build_lock(build_dir: Path, *, wait: bool = True, say=print) -> Iterator[HeldLock]:
     """Exclusive ``flock`` on ``<build_dir>/.lock`` for the duration of a build.
 
     Released by the kernel when the process dies, so a crashed build never
-    leaves a stale lock. ``wait=False`` fails at once when it is taken.
+    leaves a stale lock. ``wait=False`` fails at once when it is taken. A
+    directory removed while this call waited for it is :func:`removed_error`.
     """
     if fcntl is None:  # pragma: no cover - Windows
-        yield
+        yield HeldLock(build_dir, None)
         return
     fd = os.open(build_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -91,11 +136,13 @@ def build_lock(build_dir: Path, *, wait: bool = True, say=print) -> Iterator[Non
                 ) from None
             say(f"Waiting for another build using {build_dir} to finish ({holder}) ...")
             fcntl.flock(fd, fcntl.LOCK_EX)
+            if HeldLock(build_dir, fd).removed():
+                raise removed_error(build_dir, waited=True)
         os.ftruncate(fd, 0)
         os.pwrite(fd, (_lock_holder_text() + "\n").encode(), 0)
         _held.add(fd)
         try:
-            yield
+            yield HeldLock(build_dir, fd)
         finally:
             _held.discard(fd)
     finally:

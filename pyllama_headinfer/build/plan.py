@@ -17,11 +17,11 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from pyllama_headinfer.build import toolchain
 from pyllama_headinfer import paths, pin
-from pyllama_headinfer.errors import BuildError
+from pyllama_headinfer.errors import BuildError, UsageError
 
 SANITIZERS = {"address": "asan", "thread": "tsan"}
 BUILD_TYPES = ("Release", "RelWithDebInfo", "Debug", "MinSizeRel")
@@ -52,14 +52,30 @@ def _base_options(tools: bool) -> Dict[str, str]:
     }
 
 
+_NAME_RE = r"[A-Za-z_][A-Za-z0-9_.+-]*"
+
+
+def tool_option_names() -> Set[str]:
+    """The CMake options the build tool sets itself (in any configuration); the others are the user's."""
+    names = set(_base_options(True)) | {"CMAKE_BUILD_TYPE", "GGML_CUDA", "CMAKE_CUDA_ARCHITECTURES",
+                                        "CMAKE_CUDA_COMPILER", "CMAKE_MAKE_PROGRAM"}
+    return names | {f"{prefix}_SANITIZE_{kind}" for prefix in ("LLAMA", "GGML")
+                    for kind in ("ADDRESS", "UNDEFINED", "THREAD")}
+
+
 def parse_define(arg: str) -> Tuple[str, Optional[str], str]:
-    """``-DNAME[:TYPE]=VALUE`` (or ``NAME[:TYPE]=VALUE``) -> (name, type, value)."""
+    """``-DNAME[:TYPE]=VALUE`` (or ``NAME[:TYPE]=VALUE``) -> (name, type, value).
+
+    Anything else is bad usage (:class:`UsageError`, exit status 2): it is
+    checked by :func:`plan_build`, before any work."""
     arg = arg.strip()
     body = arg[2:].strip() if arg.startswith("-D") else arg
-    m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_.+-]*)(?::([A-Za-z]+))?=(.*)", body, re.S)
+    m = re.fullmatch(rf"({_NAME_RE})(?::([A-Za-z]+))?=(.*)", body, re.S)
     if not m:
-        raise BuildError(
-            f"Cannot pass {arg!r} to CMake: only -DNAME=VALUE options are passed through "
+        missing = (f" ({arg!r} has no value: write -D{body}=VALUE, e.g. -D{body}=ON)"
+                   if re.fullmatch(rf"{_NAME_RE}(?::[A-Za-z]+)?", body) else "")
+        raise UsageError(
+            f"Cannot pass {arg!r} to CMake: only -DNAME=VALUE options are passed through{missing} "
             "(the generator, source and build directories are chosen by the build tool)."
         )
     return m.group(1), (m.group(2).upper() if m.group(2) else None), m.group(3)
@@ -73,7 +89,7 @@ def split_cmake_args(args: Sequence[str]) -> List[str]:
         if a == "-D":
             nxt = next(it, None)
             if nxt is None:
-                raise BuildError("-D at the end of the CMake arguments has no NAME=VALUE")
+                raise UsageError("-D at the end of the CMake arguments has no NAME=VALUE")
             a = "-D" + nxt
         out.append(a)
     return out
@@ -127,13 +143,18 @@ class BuildPlan:
     sanitize: Optional[str] = None
     tools: bool = False
     notes: List[str] = field(default_factory=list)
+    user_options: Dict[str, str] = field(default_factory=dict)  # the -D options from the user ($CMAKE_ARGS too)
+
+    def _define(self, name: str, value: str) -> str:
+        typ = self.option_types.get(name)
+        return f"-D{name}:{typ}={value}" if typ else f"-D{name}={value}"
 
     def defines(self) -> List[str]:
-        out = []
-        for name, value in self.options.items():
-            typ = self.option_types.get(name)
-            out.append(f"-D{name}:{typ}={value}" if typ else f"-D{name}={value}")
-        return out
+        return [self._define(name, value) for name, value in self.options.items()]
+
+    def user_defines(self) -> List[str]:
+        """The user's -D options, as given (what a build directory remembers: see steps.configured_user_defines)."""
+        return [self._define(name, value) for name, value in self.user_options.items()]
 
 
 def _user_options(cmake_args: Sequence[str], env: Mapping[str, str]) -> Tuple[Dict[str, str], Dict[str, str]]:
@@ -141,7 +162,7 @@ def _user_options(cmake_args: Sequence[str], env: Mapping[str, str]) -> Tuple[Di
     try:
         from_env = shlex.split(env.get("CMAKE_ARGS", ""))
     except ValueError as exc:
-        raise BuildError(f"Cannot parse $CMAKE_ARGS ({exc}): {env.get('CMAKE_ARGS')!r}") from None
+        raise UsageError(f"Cannot parse $CMAKE_ARGS ({exc}): {env.get('CMAKE_ARGS')!r}") from None
     options: Dict[str, str] = {}
     types: Dict[str, str] = {}
     for arg in split_cmake_args([*from_env, *cmake_args]):
@@ -229,7 +250,8 @@ def plan_build(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
     directory = Path(build_dir).expanduser().resolve() if build_dir else paths.build_root() / key
     return BuildPlan(backend=backend, key=key, build_dir=directory, options=options,
                      option_types={k: v for k, v in user_types.items() if k in options},
-                     build_type=btype, cuda_arch=arch, nvcc=nvcc, sanitize=sanitize, tools=tools, notes=notes)
+                     build_type=btype, cuda_arch=arch, nvcc=nvcc, sanitize=sanitize, tools=tools, notes=notes,
+                     user_options={k: v for k, v in user.items() if options.get(k) == v})  # those in effect
 
 
 # --------------------------------------------------------------------------

@@ -29,8 +29,8 @@ from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pyllama_headinfer.build import extension, toolchain
 from pyllama_headinfer.build.lock import held_lock_fds
-from pyllama_headinfer.build.plan import TOOL_TARGETS, BuildPlan
-from pyllama_headinfer.errors import BuildError, BuildInterrupted, HeadInferError
+from pyllama_headinfer.build.plan import TOOL_TARGETS, BuildPlan, parse_define, tool_option_names
+from pyllama_headinfer.errors import BuildError, BuildInterrupted, HeadInferError, UsageError
 from pyllama_headinfer.build.record import write_json
 from pyllama_headinfer.runtime.manifest import read_json
 from pyllama_headinfer.build.progress import Progress, classify_failure, tail
@@ -59,6 +59,29 @@ def configured_with_tools(d: Path) -> bool:
     return "-DLLAMA_BUILD_TOOLS=ON" in (state.get("argv") or [])
 
 
+def configured_user_defines(d: Path) -> List[str]:
+    """The user's -D options of the last successful configure of ``d`` (-D, --cmake-arg, $CMAKE_ARGS),
+    which a later ``build`` of the directory keeps (``--reset-options`` forgets them)."""
+    state = read_json(d / STATE_NAME) or {}
+    defines = state.get("user_defines")
+    if not isinstance(defines, list):
+        # configured before the state recorded them: the -D options of the configure command that
+        # the tool does not set itself
+        defines = [a for a in (state.get("argv") or [])[1:] if isinstance(a, str) and a.startswith("-D")]
+        ours = tool_option_names()
+    else:
+        ours = set()
+    kept = []
+    for define in defines:
+        try:
+            name = parse_define(str(define))[0]
+        except UsageError:  # not one of ours (a hand-edited state): not kept
+            continue
+        if name not in ours:
+            kept.append(str(define))
+    return kept
+
+
 def configure_if_needed(plan, source_tree, cmake, ninja, fresh, log, log_path, run_env, echo, say) -> bool:
     d = plan.build_dir
     previous = read_json(d / STATE_NAME)
@@ -77,7 +100,7 @@ def configure_if_needed(plan, source_tree, cmake, ninja, fresh, log, log_path, r
                     "Check the -D/--cmake-arg options and $CMAKE_ARGS; --fresh configures this "
                     "directory from scratch. ")
     write_json(d / STATE_NAME, {"source_tree": str(source_tree), "argv": argv, "options": plan.options,
-                                 "cmake": cmake.path, "ninja": ninja.path})
+                                 "user_defines": plan.user_defines(), "cmake": cmake.path, "ninja": ninja.path})
     return True
 
 
@@ -247,10 +270,11 @@ def _fail(step: str, rc: int, log_path: Path, say, advice: str = "") -> BuildErr
     lines = tail(log_path, TAIL_LINES)
     if rc in (-signal.SIGINT, 128 + signal.SIGINT) or any("interrupted by user" in line for line in lines[-3:]):
         return interrupted_error()
-    say(f"--- last {len(lines)} lines of {log_path} ---")
-    for line in lines:
-        say(line)
-    say("---")
+    if lines or log_path.is_file():  # no log: the directory was removed (build_lock says so)
+        say(f"--- last {len(lines)} lines of {log_path} ---")
+        for line in lines:
+            say(line)
+        say("---")
     try:
         whole = log_path.read_text(errors="replace").splitlines()
     except OSError:

@@ -8,8 +8,8 @@ import json
 import sys
 
 from pyllama_headinfer.build import toolchain
-from pyllama_headinfer.build.build import build
-from pyllama_headinfer.build.plan import BUILD_TYPES, SANITIZERS, plan_build
+from pyllama_headinfer.build.build import build, plan_for_directory
+from pyllama_headinfer.build.plan import BUILD_TYPES, SANITIZERS
 from pyllama_headinfer.errors import EXIT_OK
 
 
@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_argument("--tools", action=argparse.BooleanOptionalAction, default=None,
                      help="also build llama-cli, llama-server and llama-bench (into <build dir>/bin); "
                           "without either flag, a directory keeps what it was built with")
+    cfg.add_argument("--reset-options", action="store_true",
+                     help="forget the -D options (from -D, --cmake-arg, $CMAKE_ARGS) this directory was configured "
+                          "with; without it, a directory keeps them, and a new -D of the same name overrides one")
     cfg.add_argument("--build-dir", metavar="DIR",
                      help="build directory (default: build/<config> in a checkout, else <cache>/build/<config>)")
     run_g = parser.add_argument_group("running")
@@ -62,9 +65,10 @@ def run(args: argparse.Namespace) -> int:
     cmake_args = [a for a in getattr(args, "cmake_args", []) if a] + \
         [f"-D{d.strip()}" for d in getattr(args, "defines", [])]
     if args.dry_run:
-        plan = plan_build(cuda=args.cuda, cuda_arch=args.cuda_arch, cmake_args=cmake_args,
-                          sanitize=args.sanitize, build_type=args.build_type, tools=bool(args.tools),
-                          build_dir=args.build_dir)
+        plan = plan_for_directory(cuda=args.cuda, cuda_arch=args.cuda_arch, cmake_args=cmake_args,
+                                  sanitize=args.sanitize, build_type=args.build_type, tools=args.tools,
+                                  reset_options=args.reset_options, build_dir=args.build_dir,
+                                  say=lambda msg: print(msg, file=sys.stderr))
         for note in plan.notes:
             print(note, file=sys.stderr)
         print(json.dumps({"config_key": plan.key, "backend": plan.backend, "build_dir": str(plan.build_dir),
@@ -72,6 +76,6 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     build(llama_src=args.llama_src, allow_unverified=args.allow_unverified, build_dir=args.build_dir,
           cuda=args.cuda, cuda_arch=args.cuda_arch, cmake_args=cmake_args, sanitize=args.sanitize,
-          build_type=args.build_type, tools=args.tools, jobs=args.jobs, wait=args.wait, fresh=args.fresh,
-          bindings=args.bindings, verbose=bool(args.show_output or args.verbose))
+          build_type=args.build_type, tools=args.tools, reset_options=args.reset_options, jobs=args.jobs,
+          wait=args.wait, fresh=args.fresh, bindings=args.bindings, verbose=bool(args.show_output or args.verbose))
     return EXIT_OK

@@ -16,12 +16,17 @@ server or a server that dies while starting is a one-line error (exit 1); bad
 arguments, a missing model exit 2 (see cli/main.py). Once the server runs,
 the exit status is the server's.
 
-The server binds to 127.0.0.1 unless ``--host`` says otherwise.
+The server binds to 127.0.0.1 unless ``--host`` says otherwise. It runs in
+a session of its own (a Ctrl-C reaches it once, forwarded), and on Linux its
+life is tied to ours: if ``serve`` is killed outright (``kill -9``), the
+kernel sends the server SIGTERM (``prctl(PR_SET_PDEATHSIG)``), so it does not
+stay behind holding the port.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import signal
@@ -39,7 +44,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from pyllama_headinfer.errors import PlanError, ServeError, UsageError
 from pyllama_headinfer.params import ContextParams, check_headinfer_frac, format_bytes
-from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, find_manifest
+from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, announce, find_manifest
 from pyllama_headinfer.vram.model import read_model_info
 from pyllama_headinfer.vram.speed import rank_options
 
@@ -106,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
 def find_server() -> Path:
     """The llama-server of the build in use (``build --tools`` makes it)."""
     manifest = find_manifest()
+    announce(manifest)
     bdir = manifest.build_dir
     path = (manifest.data.get("executables") or {}).get(SERVER)
     if not path or not Path(path).is_file():
@@ -262,9 +268,38 @@ def _healthy(url: str) -> bool:
         return False
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _dies_with_us():
+    """A ``preexec_fn`` that makes Linux send the child SIGTERM when this process dies
+    (``prctl(PR_SET_PDEATHSIG)``), or None where there is no such thing.
+
+    The kernel sends it when the *thread* that started the child ends: start the
+    server from a thread that outlives it (``serve`` uses the main thread)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM), ctypes.c_ulong(0),
+              ctypes.c_ulong(0), ctypes.c_ulong(0))
+        if os.getppid() != parent:  # we died before the request took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
 def start_server(command: ServerCommand, *, echo=sys.stderr, timeout: float = STARTUP_TIMEOUT_S,
                  env=None) -> tuple:
-    """Start the server and wait until it is ready: (process, log pump). Raises ServeError."""
+    """Start the server and wait until it is ready: (process, log pump). Raises ServeError.
+
+    The server gets a session of its own and, on Linux, dies with this process (see the
+    module docstring)."""
     host = command.argv[command.argv.index("--host") + 1]
     port = int(command.argv[command.argv.index("--port") + 1])
     if port_in_use(host, port):
@@ -272,7 +307,7 @@ def start_server(command: ServerCommand, *, echo=sys.stderr, timeout: float = ST
     try:
         proc = subprocess.Popen(command.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 encoding="utf-8", errors="replace", bufsize=1, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
+                                env=env, start_new_session=True, preexec_fn=_dies_with_us())
     except OSError as exc:
         raise ServeError(f"cannot run {command.argv[0]}: {exc}") from None
     pump = _LogPump(proc.stdout, echo)

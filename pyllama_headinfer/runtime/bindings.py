@@ -7,8 +7,9 @@ against the header (see :mod:`pyllama_headinfer.build.extension` for why).
 ``python -m pyllama_headinfer build`` compiles it into the build directory,
 next to the llama.cpp libraries it links against (by rpath), and names it in
 the build's manifest; :func:`load` finds it through
-:func:`pyllama_headinfer.runtime.manifest.find_manifest` and refuses a module
-that does not belong to this checkout:
+:func:`pyllama_headinfer.runtime.manifest.find_manifest` (and logs which build
+and why, one INFO line) and refuses a module that does not belong to this
+checkout:
 
 - its stamp (pin commit + patch-series hash, compiled in) must equal the
   one this checkout's series gives (:func:`pyllama_headinfer.series.build_stamp`)
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from pyllama_headinfer.errors import NotBuiltError, StaleBuildError
 from pyllama_headinfer.runtime.log import router
-from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, Manifest, find_manifest, rebuild_hint
+from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, Manifest, announce, find_manifest, rebuild_hint
 from pyllama_headinfer.series import build_stamp
 
 MODULE_NAME = "_pyllama_headinfer_cffi"
@@ -178,6 +179,7 @@ def load():
         _install_logging(ffi, lib)
         lib.llama_backend_init()
         _loaded = (ffi, lib)
+        announce(manifest)  # which build, and why: it changes when another build finishes
         return _loaded
 
 

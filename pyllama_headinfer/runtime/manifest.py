@@ -7,11 +7,20 @@ the compiled bindings. Its fields are described in docs/BUILD.md.
 This module imports only the pin, the paths, the series hash and the errors:
 finding a build never runs the build tool's probes (no cmake, no nvidia-smi)
 and does not depend on ``$CMAKE_ARGS``.
+
+Which build is used can change when another one finishes, so the choice is
+said: :attr:`Manifest.chosen` is why :func:`find_manifest` took it, and
+:func:`announce` logs one INFO line (``using build/cpu (most recently
+finished; set PYLLAMA_HEADINFER_BUILD_DIR to choose)``) on the logger
+``pyllama_headinfer.runtime.manifest``; the bindings do when they load it,
+``serve`` when it starts the build's server.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +29,8 @@ from typing import Any, Mapping, Optional, Tuple
 from pyllama_headinfer import paths, pin
 from pyllama_headinfer.errors import NotBuiltError, StaleBuildError
 from pyllama_headinfer.series import series_hash
+
+log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 2
@@ -59,6 +70,7 @@ class Manifest:
     sanitize: Optional[str]
     sanitizer_preload: Tuple[str, ...]
     data: Mapping[str, Any]
+    chosen: str = "named by the caller"  # why find_manifest chose this build (see describe_choice)
 
     @property
     def stamp(self) -> str:
@@ -125,15 +137,32 @@ def find_manifest(build_dir: Optional[os.PathLike] = None, *, require_current: b
     ``require_current``: :class:`StaleBuildError` if the build was made from
     another pin or patch series than this checkout's.
     """
+    chosen = "named by the caller"
     if build_dir is None and os.environ.get(BUILD_DIR_ENV):
-        build_dir = os.environ[BUILD_DIR_ENV]
+        build_dir, chosen = os.environ[BUILD_DIR_ENV], f"from ${BUILD_DIR_ENV}"
     if build_dir is not None:
         manifest = read_manifest(Path(build_dir).expanduser().resolve())
     else:
-        manifest = _newest_manifest()
+        manifest, chosen = _newest_manifest(), f"most recently finished; set {BUILD_DIR_ENV} to choose"
+    manifest = dataclasses.replace(manifest, chosen=chosen)
     if require_current:
         check_current(manifest)
     return manifest
+
+
+def describe_choice(manifest: Manifest) -> str:
+    """``using build/cpu (most recently finished; set PYLLAMA_HEADINFER_BUILD_DIR to choose)``:
+    which build, and why (the directory relative to the current one when it is below it)."""
+    try:
+        shown = manifest.build_dir.relative_to(Path.cwd())
+    except ValueError:
+        shown = manifest.build_dir
+    return f"using {shown} ({manifest.chosen})"
+
+
+def announce(manifest: Manifest) -> None:
+    """Log :func:`describe_choice` at INFO (shown by the CLI; silent unless logging is configured)."""
+    log.info("%s", describe_choice(manifest))
 
 
 def _newest_manifest() -> Manifest:

@@ -10,10 +10,16 @@ rebuilt from it must equal the tree the commit object names.
 
 1. an explicit tree (``llama_src`` argument or ``$PYLLAMA_HEADINFER_LLAMA_SRC``);
 2. the tree cached by an earlier fetch, ``cache_dir()/src/<SOURCE_DIRNAME>``;
-3. GitHub's archive of the commit (``$PYLLAMA_HEADINFER_ARCHIVE_URL`` overrides);
-4. the llama-cpp-python sdist from PyPI, whose ``vendor/llama.cpp`` is the pin
+3. the llama-cpp-python sdist from PyPI, whose ``vendor/llama.cpp`` is the pin
    (``$PYLLAMA_HEADINFER_PIP_ARGS`` adds arguments to ``pip download``, e.g.
-   ``--find-links DIR --no-index``).
+   ``--find-links DIR --no-index``): pip's index, proxy and mirror settings
+   apply, and it is what README documents;
+4. GitHub's archive of the commit (``$PYLLAMA_HEADINFER_ARCHIVE_URL`` overrides).
+
+An archive of 3 or 4 downloaded earlier (``cache_dir()/downloads``) is used
+before anything goes to the network. A source that fails while another is
+left to try is one INFO line ("not available ...; trying ..."), not an error:
+only when every source failed is there an error, listing them all.
 
 Which trees are acceptable is the caller's choice (``accept``): by default
 only the pristine pin (:func:`pristine`); the build passes the patch manager's
@@ -114,7 +120,7 @@ def _short_reason(exc: BaseException) -> str:
 
 
 def _download_github_archive(downloads: Path) -> Tuple[Path, str]:
-    target = downloads / f"llama.cpp-{pin.LLAMA_CPP_COMMIT}.tar.gz"
+    target = _github_archive_path(downloads)
     if target.is_file():
         log.info("using the archive downloaded earlier: %s", target)
         return target, ""
@@ -178,17 +184,26 @@ def _download_sdist(downloads: Path) -> Tuple[Path, str]:
     return found, pin.SDIST_SUBDIR
 
 
+def _github_archive_path(downloads: Path) -> Path:
+    return downloads / f"llama.cpp-{pin.LLAMA_CPP_COMMIT}.tar.gz"
+
+
 @dataclass
 class _Fetcher:
     label: str
     download: Callable[[Path], Tuple[Path, str]]  # downloads dir -> (archive, subdir to extract)
+    downloaded: Callable[[Path], bool]  # whether its archive is in the downloads dir already
 
 
-def _remote_sources() -> List[_Fetcher]:
-    return [
-        _Fetcher(f"GitHub archive {archive_url()}", _download_github_archive),
-        _Fetcher(f"PyPI sdist {pin.SDIST_NAME}=={pin.SDIST_VERSION}", _download_sdist),
+def _remote_sources(downloads: Path) -> List[_Fetcher]:
+    """PyPI, then GitHub (see the module docstring); one downloaded earlier first."""
+    sources = [
+        _Fetcher(f"PyPI sdist {pin.SDIST_NAME}=={pin.SDIST_VERSION}", _download_sdist,
+                 lambda d: _find_sdist(d) is not None),
+        _Fetcher(f"GitHub archive {archive_url()}", _download_github_archive,
+                 lambda d: _github_archive_path(d).is_file()),
     ]
+    return sorted(sources, key=lambda fetcher: not fetcher.downloaded(downloads))
 
 
 def install_tree(staged: Path, final: Path, replace: bool) -> Path:
@@ -291,12 +306,14 @@ def _fetch_into_cache(tried: List[str], *, replace: bool = False) -> Path:
     final = cached_tree_path()
     downloads = downloads_dir()
     downloads.mkdir(parents=True, exist_ok=True)
-    for fetcher in _remote_sources():
+    sources = _remote_sources(downloads)
+    for i, fetcher in enumerate(sources):
         try:
             tree = _fetch_one(fetcher, downloads, final, replace)
         except (HeadInferError, OSError, subprocess.SubprocessError) as exc:
-            log.info("%s: failed: %s", fetcher.label, exc)
             tried.append(f"{fetcher.label}: {exc}")
+            if i + 1 < len(sources):  # not an error yet: the next source may well work
+                log.info("%s: not available (%s); trying the %s", fetcher.label, exc, sources[i + 1].label)
             continue
         log.info("pinned llama.cpp %s ready at %s", pin.LLAMA_CPP_BUILD, tree)
         return tree
