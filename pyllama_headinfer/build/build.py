@@ -27,6 +27,8 @@ order, the free-space check and the closing report):
   (declarations in ``decl/``);
 - :mod:`.record` (step 6): what ``manifest.json`` records (the runtime reads
   it with :mod:`pyllama_headinfer.runtime.manifest`);
+- :mod:`.cpu_kernels` (step 6): which CPU kernels were compiled (native or
+  portable, AVX2/AVX-512/AMX), for the manifest and the closing line;
 - :mod:`.toolchain`: finding cmake, ninja, the compilers, nvcc and the GPUs;
 - :mod:`.progress`: the progress display and the causes of failures.
 
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Mapping, Optional, Sequence
 
-from pyllama_headinfer.build import toolchain
+from pyllama_headinfer.build import cpu_kernels, toolchain
 from pyllama_headinfer import pin
 from pyllama_headinfer.build.lock import build_lock
 from pyllama_headinfer.build.plan import plan_build
@@ -85,7 +87,7 @@ class BuildResult:
 def build(*, llama_src: Optional[os.PathLike] = None, allow_unverified: bool = False,
           build_dir: Optional[os.PathLike] = None, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
           cmake_args: Sequence[str] = (), sanitize: Optional[str] = None, build_type: Optional[str] = None,
-          tools: Optional[bool] = None, jobs: Optional[int] = None, wait: bool = True, fresh: bool = False,
+          tools: Optional[bool] = None, portable: bool = False, jobs: Optional[int] = None, wait: bool = True, fresh: bool = False,
           bindings: bool = True, verbose: bool = False, out: Optional[IO[str]] = None,
           env: Optional[Mapping[str, str]] = None) -> BuildResult:
     """Builds the patched llama.cpp; returns where and what (see the module docstring).
@@ -103,24 +105,24 @@ def build(*, llama_src: Optional[os.PathLike] = None, allow_unverified: bool = F
     try:
         return _build(say, out, llama_src=llama_src, allow_unverified=allow_unverified, build_dir=build_dir,
                       cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
-                      build_type=build_type, tools=tools, jobs=jobs, wait=wait, fresh=fresh,
+                      build_type=build_type, tools=tools, portable=portable, jobs=jobs, wait=wait, fresh=fresh,
                       bindings=bindings, verbose=verbose, env=env)
     except KeyboardInterrupt:
         raise interrupted_error() from None
 
 
 def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch, cmake_args, sanitize,
-           build_type, tools, jobs, wait, fresh, bindings, verbose, env) -> BuildResult:
+           build_type, tools, portable, jobs, wait, fresh, bindings, verbose, env) -> BuildResult:
     start = time.monotonic()
     plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
-                      build_type=build_type, tools=bool(tools), build_dir=build_dir, env=env)
+                      build_type=build_type, tools=bool(tools), portable=portable, build_dir=build_dir, env=env)
     if tools is None and configured_with_tools(plan.build_dir):
         # a plain `build` keeps what the directory was asked to build before (dropping the tools
         # would make the next `build --tools` recompile them all)
         say("Keeping llama-cli, llama-server and llama-bench: this directory was built with --tools "
             "(--no-tools removes them).")
         plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
-                          build_type=build_type, tools=True, build_dir=build_dir, env=env)
+                          build_type=build_type, tools=True, portable=portable, build_dir=build_dir, env=env)
     elif tools is False and configured_with_tools(plan.build_dir):
         say("Removing llama-cli, llama-server and llama-bench from this directory's configuration (--no-tools).")
     for note in plan.notes:
@@ -198,7 +200,12 @@ def _report(say, d: Path, manifest: dict, *, waited: float, no_work: bool, confi
         say(f"Up to date: nothing to compile{again} ({_fmt_seconds(seconds)}). Manifest: {d / MANIFEST_NAME}")
     else:
         names = ", ".join(os.path.basename(p) for p in manifest["libraries"].values())
-        say(f"Built {names} in {_fmt_seconds(seconds)} ({steps} steps). Manifest: {d / MANIFEST_NAME}")
+        modules = manifest.get("backend_modules") or {}
+        more = f" and {len(modules)} backend modules" if modules else ""
+        say(f"Built {names}{more} in {_fmt_seconds(seconds)} ({steps} steps). Manifest: {d / MANIFEST_NAME}")
+    line = cpu_kernels.summary(manifest.get("cpu_kernels"))
+    if line:
+        say(line)
 
 
 def _fmt_seconds(s: float) -> str:

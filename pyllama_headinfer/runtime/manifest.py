@@ -58,6 +58,9 @@ class Manifest:
     bindings: Optional[Path]  # the compiled cffi module; None when built without bindings
     sanitize: Optional[str]
     sanitizer_preload: Tuple[str, ...]
+    # GGML_BACKEND_DL (build --portable): the backends (CPU variants, CUDA, RPC) are modules in
+    # lib_dir that the bindings load at run time; False for a build made before this was recorded
+    backend_dl: bool
     data: Mapping[str, Any]
 
     @property
@@ -84,6 +87,7 @@ class Manifest:
             bindings=Path(bindings) if bindings else None,
             sanitize=data.get("sanitize") or None,
             sanitizer_preload=tuple(data.get("sanitizer_preload") or ()),
+            backend_dl=bool(data.get("backend_dl")),
             data=dict(data),
         )
 
