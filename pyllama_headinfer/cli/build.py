@@ -76,6 +76,6 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     build(llama_src=args.llama_src, allow_unverified=args.allow_unverified, build_dir=args.build_dir,
           cuda=args.cuda, cuda_arch=args.cuda_arch, cmake_args=cmake_args, sanitize=args.sanitize,
-          build_type=args.build_type, tools=args.tools, portable=args.portable, jobs=args.jobs, wait=args.wait, fresh=args.fresh,
-          bindings=args.bindings, verbose=bool(args.show_output or args.verbose))
+          build_type=args.build_type, tools=args.tools, portable=args.portable, jobs=args.jobs, wait=args.wait,
+          fresh=args.fresh, bindings=args.bindings, verbose=bool(args.show_output or args.verbose))
     return EXIT_OK
