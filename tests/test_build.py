@@ -746,6 +746,34 @@ def test_manifest(cpu_build_dir):
     assert m["duration_s"] >= 0 and m["built_at"]
 
 
+def _cpuinfo_flags() -> set:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+def test_manifest_records_the_cpu_kernels(cpu_build_dir):
+    """The native build says what -march=native gave it: on an AMX Xeon (the CI machines) AMX is on."""
+    m = read_manifest(cpu_build_dir)
+    assert m.backend_dl is False and m.data["backend_modules"] == {}
+    kernels = m.data["cpu_kernels"]
+    assert kernels["kind"] == "native" and kernels["backend_dl"] is False
+    assert [v["target"] for v in kernels["variants"]] == ["ggml-cpu"]
+    variant = kernels["variants"][0]
+    assert variant["flags"] == ["-march=native"] and variant["library"] is None
+    features = set(variant["features"])  # asked from the compiler: never unknown with GCC/Clang
+    cpu = _cpuinfo_flags()
+    if not cpu:
+        pytest.skip("no /proc/cpuinfo flags to compare with")
+    for flag, feature in (("avx2", "AVX2"), ("avx512f", "AVX512"), ("avx512_vnni", "AVX512_VNNI"),
+                          ("amx_int8", "AMX_INT8")):
+        assert (feature in features) == (flag in cpu), (flag, sorted(features))
+    assert kernels["amx"] is ("amx_int8" in cpu and "avx512_vnni" in cpu)
+    assert variant["amx"] is kernels["amx"]
+
+
 def test_libllama_exports_the_headinfer_api(cpu_build_dir):
     m = read_manifest(cpu_build_dir).data
     lib = ctypes.CDLL(m["libraries"]["llama"])
@@ -790,6 +818,7 @@ def test_noop_rebuild_is_up_to_date(cpu_build_dir, real_cache):
     result = B.build(build_dir=cpu_build_dir, cuda=False, out=out)
     assert result.up_to_date and not result.configured and result.steps == 0, out.getvalue()
     assert "Up to date" in out.getvalue()
+    assert out.getvalue().splitlines()[-1].startswith("CPU kernels: native (-march=native): ")
     log = (cpu_build_dir / "build.log").read_text()
     # with the tools, upstream's web-UI step runs at every build: the only step allowed
     assert ("no work to do" in log or "Provisioning UI assets" in log) and "Building" not in log \

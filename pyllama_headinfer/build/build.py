@@ -29,6 +29,8 @@ order, the free-space check and the closing report):
   (declarations in ``decl/``);
 - :mod:`.record` (step 6): what ``manifest.json`` records (the runtime reads
   it with :mod:`pyllama_headinfer.runtime.manifest`);
+- :mod:`.cpu_kernels` (step 6): which CPU kernels were compiled (native or
+  portable, AVX2/AVX-512/AMX), for the manifest and the closing line;
 - :mod:`.toolchain`: finding cmake, ninja, the compilers, nvcc and the GPUs;
 - :mod:`.progress`: the progress display and the causes of failures.
 
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Mapping, Optional, Sequence
 
-from pyllama_headinfer.build import toolchain
+from pyllama_headinfer.build import cpu_kernels, toolchain
 from pyllama_headinfer import pin
 from pyllama_headinfer.build.lock import build_lock, removal_is_one_error
 from pyllama_headinfer.build.plan import BuildPlan, parse_define, plan_build
@@ -88,9 +90,10 @@ class BuildResult:
 def build(*, llama_src: Optional[os.PathLike] = None, allow_unverified: bool = False,
           build_dir: Optional[os.PathLike] = None, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
           cmake_args: Sequence[str] = (), sanitize: Optional[str] = None, build_type: Optional[str] = None,
-          tools: Optional[bool] = None, reset_options: bool = False, jobs: Optional[int] = None,
-          wait: bool = True, fresh: bool = False, bindings: bool = True, verbose: bool = False,
-          out: Optional[IO[str]] = None, env: Optional[Mapping[str, str]] = None) -> BuildResult:
+          tools: Optional[bool] = None, reset_options: bool = False, portable: bool = False,
+          jobs: Optional[int] = None, wait: bool = True, fresh: bool = False, bindings: bool = True,
+          verbose: bool = False, out: Optional[IO[str]] = None,
+          env: Optional[Mapping[str, str]] = None) -> BuildResult:
     """Builds the patched llama.cpp; returns where and what (see the module docstring).
 
     The directory keeps the tools and the ``-D`` options it was configured with unless told
@@ -110,8 +113,8 @@ def build(*, llama_src: Optional[os.PathLike] = None, allow_unverified: bool = F
     try:
         return _build(say, out, llama_src=llama_src, allow_unverified=allow_unverified, build_dir=build_dir,
                       cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
-                      build_type=build_type, tools=tools, reset_options=reset_options, jobs=jobs, wait=wait,
-                      fresh=fresh, bindings=bindings, verbose=verbose, env=env)
+                      build_type=build_type, tools=tools, reset_options=reset_options, portable=portable,
+                      jobs=jobs, wait=wait, fresh=fresh, bindings=bindings, verbose=verbose, env=env)
     except KeyboardInterrupt:
         raise interrupted_error() from None
 
@@ -119,6 +122,7 @@ def build(*, llama_src: Optional[os.PathLike] = None, allow_unverified: bool = F
 def plan_for_directory(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
                        cmake_args: Sequence[str] = (), sanitize: Optional[str] = None,
                        build_type: Optional[str] = None, tools: Optional[bool] = None, reset_options: bool = False,
+                       portable: bool = False,
                        build_dir: Optional[os.PathLike] = None, env: Optional[Mapping[str, str]] = None,
                        say=lambda msg: None) -> BuildPlan:
     """Step 1 with what the directory remembers (nothing is written).
@@ -130,7 +134,7 @@ def plan_for_directory(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] 
     all). Each thing kept or dropped is one line through ``say``.
     """
     plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
-                      build_type=build_type, tools=bool(tools), build_dir=build_dir, env=env)
+                      build_type=build_type, tools=bool(tools), portable=portable, build_dir=build_dir, env=env)
     d = plan.build_dir
     remembered = [a for a in configured_user_defines(d)
                   if parse_define(a)[0] not in plan.user_options
@@ -152,15 +156,16 @@ def plan_for_directory(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] 
         say("Removing llama-cli, llama-server and llama-bench from this directory's configuration (--no-tools).")
     if kept or keep_tools:
         plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=[*kept, *cmake_args], sanitize=sanitize,
-                          build_type=build_type, tools=bool(tools) or keep_tools, build_dir=d, env=env)
+                          build_type=build_type, tools=bool(tools) or keep_tools, portable=portable, build_dir=d,
+                          env=env)
     return plan
 
 
 def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch, cmake_args, sanitize,
-           build_type, tools, reset_options, jobs, wait, fresh, bindings, verbose, env) -> BuildResult:
+           build_type, tools, reset_options, portable, jobs, wait, fresh, bindings, verbose, env) -> BuildResult:
     start = time.monotonic()
     plan = plan_for_directory(cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
-                              build_type=build_type, tools=tools, reset_options=reset_options,
+                              build_type=build_type, tools=tools, reset_options=reset_options, portable=portable,
                               build_dir=build_dir, env=env, say=say)
     for note in plan.notes:
         say(note)
@@ -237,7 +242,12 @@ def _report(say, d: Path, manifest: dict, *, waited: float, no_work: bool, confi
         say(f"Up to date: nothing to compile{again} ({_fmt_seconds(seconds)}). Manifest: {d / MANIFEST_NAME}")
     else:
         names = ", ".join(os.path.basename(p) for p in manifest["libraries"].values())
-        say(f"Built {names} in {_fmt_seconds(seconds)} ({steps} steps). Manifest: {d / MANIFEST_NAME}")
+        modules = manifest.get("backend_modules") or {}
+        more = f" and {len(modules)} backend modules" if modules else ""
+        say(f"Built {names}{more} in {_fmt_seconds(seconds)} ({steps} steps). Manifest: {d / MANIFEST_NAME}")
+    line = cpu_kernels.summary(manifest.get("cpu_kernels"))
+    if line:
+        say(line)
 
 
 def _fmt_seconds(s: float) -> str:

@@ -3,9 +3,9 @@
 :func:`plan_build` turns the command line and ``$CMAKE_ARGS`` into a
 :class:`BuildPlan`: the backend (CUDA when nvcc *and* a GPU are there, or when
 asked: :func:`_choose_cuda`), the CUDA architectures, the CMake options (ours,
-then the sanitizer's, then the user's ``-D`` ones, parsed by
-:func:`parse_define`), the configuration key (:func:`config_key`: ``cpu``,
-``cuda-sm90``, ``cpu-asan``, ...) and the build directory,
+then ``--portable``'s and the sanitizer's, then the user's ``-D`` ones, parsed
+by :func:`parse_define`), the configuration key (:func:`config_key`: ``cpu``,
+``cuda-sm90``, ``cpu-portable``, ``cpu-asan``, ...) and the build directory,
 ``<build_root()>/<key>`` unless one is given (:func:`default_build_dir` names
 it for a configuration).
 """
@@ -26,6 +26,11 @@ from pyllama_headinfer.errors import BuildError, UsageError
 SANITIZERS = {"address": "asan", "thread": "tsan"}
 BUILD_TYPES = ("Release", "RelWithDebInfo", "Debug", "MinSizeRel")
 TOOL_TARGETS = ("llama-cli", "llama-server", "llama-bench")
+
+# `build --portable`: upstream's release recipe. Every CPU generation's kernels as a loadable
+# module (libggml-cpu-<variant>.so), the best one picked at run time; GGML_NATIVE must be off
+# (ggml refuses it with GGML_BACKEND_DL) and GGML_BACKEND_DL needs BUILD_SHARED_LIBS (always ON).
+PORTABLE_OPTIONS = {"GGML_NATIVE": "OFF", "GGML_CPU_ALL_VARIANTS": "ON", "GGML_BACKEND_DL": "ON"}
 
 
 # --------------------------------------------------------------------------
@@ -115,13 +120,16 @@ def _arch_slug(archs: str) -> str:
 
 
 def config_key(backend: str = "cpu", cuda_arch: Optional[str] = None, sanitize: Optional[str] = None,
-               build_type: Optional[str] = None) -> str:
-    """Name of a configuration's build directory: ``cpu``, ``cuda-sm90``, ``cpu-asan``, ``cpu-debug``."""
+               build_type: Optional[str] = None, portable: bool = False) -> str:
+    """Name of a configuration's build directory: ``cpu``, ``cuda-sm90``, ``cpu-portable``, ``cpu-asan``,
+    ``cpu-debug``."""
     parts = [backend]
     if backend == "cuda" and cuda_arch:
         slug = _arch_slug(cuda_arch)
         if slug:
             parts.append(slug)
+    if portable:
+        parts.append("portable")
     if sanitize:
         parts.append(SANITIZERS[sanitize])
     default_type = "RelWithDebInfo" if sanitize else "Release"
@@ -142,6 +150,7 @@ class BuildPlan:
     nvcc: Optional[str] = None
     sanitize: Optional[str] = None
     tools: bool = False
+    portable: bool = False  # --portable: every CPU variant as a loadable backend (PORTABLE_OPTIONS)
     notes: List[str] = field(default_factory=list)
     user_options: Dict[str, str] = field(default_factory=dict)  # the -D options from the user ($CMAKE_ARGS too)
 
@@ -207,17 +216,35 @@ def _choose_cuda(cuda: Optional[bool], user: Dict[str, str],
     return bool(cuda), probe, notes
 
 
+def _check_portable(user: Mapping[str, str]) -> None:
+    """--portable with a -D option that undoes it is an error (CMake would fail or build something else)."""
+    for name, value in PORTABLE_OPTIONS.items():
+        if name in user and cmake_truthy(user[name]) != cmake_truthy(value):
+            raise BuildError(f"--portable sets -D{name}={value}, but -D{name}={user[name]} was given "
+                             "(from --cmake-arg or $CMAKE_ARGS); drop one of them.")
+    if "BUILD_SHARED_LIBS" in user and not cmake_truthy(user["BUILD_SHARED_LIBS"]):
+        raise BuildError("--portable loads the CPU variants as shared modules (GGML_BACKEND_DL), which needs "
+                         f"BUILD_SHARED_LIBS=ON, but -DBUILD_SHARED_LIBS={user['BUILD_SHARED_LIBS']} was given.")
+
+
 def plan_build(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
                cmake_args: Sequence[str] = (), sanitize: Optional[str] = None,
-               build_type: Optional[str] = None, tools: bool = False,
+               build_type: Optional[str] = None, tools: bool = False, portable: bool = False,
                build_dir: Optional[os.PathLike] = None, env: Optional[Mapping[str, str]] = None,
                probe_fn=None) -> BuildPlan:
-    """Decides backend, options, key and directory, without touching the disk."""
+    """Decides backend, options, key and directory, without touching the disk.
+
+    ``portable``: kernels for every CPU generation, picked at run time
+    (:data:`PORTABLE_OPTIONS`); with CUDA, and no ``cuda_arch``, also
+    llama.cpp's portable set of GPU architectures instead of the visible GPUs'.
+    """
     env = os.environ if env is None else env
     probe_fn = probe_fn or toolchain.probe_cuda
     if sanitize is not None and sanitize not in SANITIZERS:
         raise BuildError(f"--sanitize must be one of {', '.join(SANITIZERS)}, not {sanitize!r}")
     user, user_types = _user_options(cmake_args, env)
+    if portable:
+        _check_portable(user)
     use_cuda, probe, notes = _choose_cuda(cuda, user, probe_fn)
 
     options = _base_options(tools)
@@ -227,12 +254,16 @@ def plan_build(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
     nvcc = None
     if use_cuda:
         assert probe is not None
-        arch = cuda_arch or user.get("CMAKE_CUDA_ARCHITECTURES") or probe.local_archs() or toolchain.DEFAULT_CUDA_ARCHS
+        local = None if portable else probe.local_archs()
+        arch = cuda_arch or user.get("CMAKE_CUDA_ARCHITECTURES") or local or toolchain.DEFAULT_CUDA_ARCHS
         nvcc = user.get("CMAKE_CUDA_COMPILER") or probe.nvcc
         options.update({"GGML_CUDA": "ON", "CMAKE_CUDA_ARCHITECTURES": arch, "CMAKE_CUDA_COMPILER": nvcc})
         if not (cuda_arch or "CMAKE_CUDA_ARCHITECTURES" in user):
-            source = "the visible GPU(s)" if probe.local_archs() else "no GPU visible: a portable set"
+            source = ("the visible GPU(s)" if local else
+                      "--portable: a portable set" if portable else "no GPU visible: a portable set")
             notes.append(f"CUDA architectures {arch} ({source}; --cuda-arch to choose).")
+    if portable:
+        options.update(PORTABLE_OPTIONS)
     if sanitize:
         flavour = "ADDRESS" if sanitize == "address" else "THREAD"
         for prefix in ("LLAMA", "GGML"):
@@ -246,11 +277,11 @@ def plan_build(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
     options["CMAKE_BUILD_TYPE"] = btype
 
     backend = "cuda" if use_cuda else "cpu"
-    key = config_key(backend, arch, sanitize, btype)
+    key = config_key(backend, arch, sanitize, btype, portable)
     directory = Path(build_dir).expanduser().resolve() if build_dir else paths.build_root() / key
     return BuildPlan(backend=backend, key=key, build_dir=directory, options=options,
                      option_types={k: v for k, v in user_types.items() if k in options},
-                     build_type=btype, cuda_arch=arch, nvcc=nvcc, sanitize=sanitize, tools=tools, notes=notes,
+                     build_type=btype, cuda_arch=arch, nvcc=nvcc, sanitize=sanitize, tools=tools, portable=portable, notes=notes,
                      user_options={k: v for k, v in user.items() if options.get(k) == v})  # those in effect
 
 
@@ -259,14 +290,17 @@ def plan_build(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
 
 
 def default_build_dir(backend: str = "cpu", *, cuda_arch: Optional[str] = None,
-                      sanitize: Optional[str] = None, build_type: Optional[str] = None) -> Path:
+                      sanitize: Optional[str] = None, build_type: Optional[str] = None,
+                      portable: bool = False) -> Path:
     """The directory ``build`` uses by default for a configuration.
 
     For ``cuda`` without ``cuda_arch`` it is the one ``build --cuda`` picks on
-    this machine (the visible GPUs' architectures, else the portable set).
+    this machine (the visible GPUs' architectures, else the portable set;
+    always the portable set with ``portable``).
     """
     if backend not in ("cpu", "cuda"):
         raise ValueError(f"backend must be 'cpu' or 'cuda', not {backend!r}")
     if backend == "cuda" and cuda_arch is None:
-        cuda_arch = toolchain.probe_cuda().local_archs() or toolchain.DEFAULT_CUDA_ARCHS
-    return paths.build_root() / config_key(backend, cuda_arch, sanitize, build_type)
+        local = None if portable else toolchain.probe_cuda().local_archs()
+        cuda_arch = local or toolchain.DEFAULT_CUDA_ARCHS
+    return paths.build_root() / config_key(backend, cuda_arch, sanitize, build_type, portable)

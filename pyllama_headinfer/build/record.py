@@ -3,8 +3,9 @@
 ``build`` writes it last (:func:`manifest_record` assembles it; a failed
 build leaves none); the runtime reads it back with
 :func:`pyllama_headinfer.runtime.manifest.find_manifest`. Its fields are
-described in docs/BUILD.md. :func:`write_json` (atomic) serves the build
-directory's other JSON file (the configure state) too.
+described in docs/BUILD.md (``cpu_kernels``: :mod:`.cpu_kernels`).
+:func:`write_json` (atomic) serves the build directory's other JSON file (the
+configure state) too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import List, Mapping, Optional
 
 from pyllama_headinfer import pin
-from pyllama_headinfer.build import toolchain
+from pyllama_headinfer.build import cpu_kernels, toolchain
 from pyllama_headinfer.build.plan import TOOL_TARGETS, BuildPlan, cmake_truthy
 from pyllama_headinfer.runtime.manifest import MANIFEST_FORMAT
 
@@ -50,12 +51,28 @@ def sanitizer_preload(cc: Optional[str], sanitize: Optional[str]) -> List[str]:
     return [os.path.realpath(path)] if os.path.isabs(path) and os.path.exists(path) else []
 
 
+# always linked into libllama's process; in a GGML_BACKEND_DL build every other ggml* library
+# is a backend module that ggml loads at run time (ggml_backend_load_all_from_path)
+LINKED_LIBRARIES = ("llama", "ggml", "ggml-base")
+
+
+def split_modules(libs: Mapping[str, str], backend_dl: bool):
+    """(linked libraries, backend modules), target -> relative path."""
+    if not backend_dl:
+        return dict(libs), {}
+    return ({n: p for n, p in libs.items() if n in LINKED_LIBRARIES},
+            {n: p for n, p in libs.items() if n not in LINKED_LIBRARIES})
+
+
 def manifest_record(plan: BuildPlan, source_tree: Path, series_hash: str, cmake: toolchain.Tool, ninja: toolchain.Tool,
               configure_argv: List[str], targets: Mapping[str, str], libs: Mapping[str, str],
               seconds: float, up_to_date: bool, steps: int) -> dict:
     d = plan.build_dir
     compilers = toolchain.compilers_used(d, cmake.version)
     cc = (compilers.get("c") or {}).get("path")
+    backend_dl = cmake_truthy(cpu_kernels.cmake_cache_values(d, ("GGML_BACKEND_DL",)).get("GGML_BACKEND_DL", "OFF"))
+    linked, modules = split_modules(libs, backend_dl)
+    modules_abs = {name: str(d / rel) for name, rel in modules.items()}
     return {
         "format": MANIFEST_FORMAT,
         "pin": {"build": pin.LLAMA_CPP_BUILD, "commit": pin.LLAMA_CPP_COMMIT},
@@ -78,7 +95,10 @@ def manifest_record(plan: BuildPlan, source_tree: Path, series_hash: str, cmake:
         "include_dirs": [str(source_tree / "include"), str(source_tree / "ggml" / "include")],
         "build_dir": str(d),
         "lib_dir": str(d / "bin"),
-        "libraries": {name: str(d / rel) for name, rel in libs.items()},
+        "libraries": {name: str(d / rel) for name, rel in linked.items()},
+        "backend_dl": backend_dl,
+        "backend_modules": modules_abs,
+        "cpu_kernels": cpu_kernels.cpu_kernels(d, cc, modules_abs),
         "executables": {name: str(d / targets[name]) for name in TOOL_TARGETS
                         if plan.tools and name in targets and (d / targets[name]).exists()},
         "bindings": None,

@@ -36,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      metavar="-DNAME=VALUE", help="same as -D (repeatable); $CMAKE_ARGS is read too")
     cfg.add_argument("--sanitize", choices=sorted(SANITIZERS),
                      help="address: ASan+UBSan, thread: TSan; its own build directory (cpu-asan, ...)")
+    cfg.add_argument("--portable", action="store_true",
+                     help="CPU kernels for every x86 generation as loadable modules, the best one picked at "
+                          "run time (GGML_NATIVE=OFF, GGML_CPU_ALL_VARIANTS=ON, GGML_BACKEND_DL=ON; CUDA: the "
+                          "portable GPU architectures unless --cuda-arch); its own build directory (cpu-portable, ...)")
     cfg.add_argument("--build-type", choices=BUILD_TYPES,
                      help="CMAKE_BUILD_TYPE (default Release; RelWithDebInfo with --sanitize)")
     cfg.add_argument("--tools", action=argparse.BooleanOptionalAction, default=None,
@@ -67,15 +71,17 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         plan = plan_for_directory(cuda=args.cuda, cuda_arch=args.cuda_arch, cmake_args=cmake_args,
                                   sanitize=args.sanitize, build_type=args.build_type, tools=args.tools,
-                                  reset_options=args.reset_options, build_dir=args.build_dir,
+                                  reset_options=args.reset_options, portable=args.portable,
+                                  build_dir=args.build_dir,
                                   say=lambda msg: print(msg, file=sys.stderr))
         for note in plan.notes:
             print(note, file=sys.stderr)
-        print(json.dumps({"config_key": plan.key, "backend": plan.backend, "build_dir": str(plan.build_dir),
-                          "cmake_options": plan.options}, indent=2))
+        print(json.dumps({"config_key": plan.key, "backend": plan.backend, "portable": plan.portable,
+                          "build_dir": str(plan.build_dir), "cmake_options": plan.options}, indent=2))
         return EXIT_OK
     build(llama_src=args.llama_src, allow_unverified=args.allow_unverified, build_dir=args.build_dir,
           cuda=args.cuda, cuda_arch=args.cuda_arch, cmake_args=cmake_args, sanitize=args.sanitize,
-          build_type=args.build_type, tools=args.tools, reset_options=args.reset_options, jobs=args.jobs,
+          build_type=args.build_type, tools=args.tools, reset_options=args.reset_options,
+          portable=args.portable, jobs=args.jobs,
           wait=args.wait, fresh=args.fresh, bindings=args.bindings, verbose=bool(args.show_output or args.verbose))
     return EXIT_OK

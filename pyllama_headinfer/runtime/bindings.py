@@ -21,6 +21,14 @@ checkout:
 Both raise :class:`StaleBuildError` telling the user to rebuild. Loading
 imports nothing of the build tool and runs no subprocess.
 
+A build with ``GGML_BACKEND_DL`` (``build --portable``) links no backend into
+libggml: :func:`load_backends` loads them from the build's ``bin/``
+(``ggml_backend_load_all_from_path``: the best CPU variant for this CPU, and
+the CUDA/RPC modules when built) before anything else, and raises
+:class:`NotBuiltError` when no CPU backend could be loaded -- llama.cpp
+itself would search only the Python executable's directory and the current
+one, and then fail to load any model.
+
 llama.cpp's log output goes to the Python logger ``pyllama_headinfer.llama``
 (see :mod:`.log`).
 """
@@ -30,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -159,6 +168,26 @@ def _install_logging(ffi, lib) -> None:
     lib.llama_log_set(lib._pyllama_log_callback, ffi.NULL)
 
 
+def load_backends(ffi, lib, manifest: Manifest) -> None:
+    """Loads the backend modules of a ``GGML_BACKEND_DL`` build from its lib dir
+    (nothing to do for a build with its backends linked in); :class:`NotBuiltError`
+    when that leaves no CPU device."""
+    if not manifest.backend_dl and int(lib.ggml_backend_reg_count()) > 0:
+        return  # backends linked into libggml registered themselves
+    lib_dir = manifest.lib_dir
+    lib.ggml_backend_load_all_from_path(os.fsencode(lib_dir))
+    if lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU) != ffi.NULL:
+        return
+    try:
+        candidates = sorted(p.name for p in lib_dir.glob("*ggml-cpu*") if p.is_file())
+    except OSError:
+        candidates = []
+    found = (f"none of {', '.join(candidates)} could be loaded or supports this CPU" if candidates
+             else "there is no libggml-cpu*.so (CPU backend module) there")
+    raise NotBuiltError(f"no CPU backend could be loaded from {lib_dir}: {found}; the build in "
+                        f"{manifest.build_dir} is incomplete -- {rebuild_hint()} again")
+
+
 def load():
     """``(ffi, lib)`` of the checked extension module; loads it on first use."""
     global _loaded
@@ -177,6 +206,7 @@ def load():
         check_stamp(ffi, lib, path)
         check_abi(ffi, lib)
         _install_logging(ffi, lib)
+        load_backends(ffi, lib, manifest)  # before llama_backend_init, which would search elsewhere
         lib.llama_backend_init()
         _loaded = (ffi, lib)
         announce(manifest)  # which build, and why: it changes when another build finishes

@@ -69,6 +69,9 @@ class Manifest:
     bindings: Optional[Path]  # the compiled cffi module; None when built without bindings
     sanitize: Optional[str]
     sanitizer_preload: Tuple[str, ...]
+    # GGML_BACKEND_DL (build --portable): the backends (CPU variants, CUDA, RPC) are modules in
+    # lib_dir that the bindings load at run time; False for a build made before this was recorded
+    backend_dl: bool
     data: Mapping[str, Any]
     chosen: str = "named by the caller"  # why find_manifest chose this build (see describe_choice)
 
@@ -96,6 +99,7 @@ class Manifest:
             bindings=Path(bindings) if bindings else None,
             sanitize=data.get("sanitize") or None,
             sanitizer_preload=tuple(data.get("sanitizer_preload") or ()),
+            backend_dl=bool(data.get("backend_dl")),
             data=dict(data),
         )
 

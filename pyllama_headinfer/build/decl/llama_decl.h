@@ -36,6 +36,9 @@ void ggml_backend_register(ggml_backend_reg_t reg);
 size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
 ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
 void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
+size_t ggml_backend_reg_count(void);
+/* a GGML_BACKEND_DL build (build --portable): load the backend modules of a directory */
+void ggml_backend_load_all_from_path(const char * dir_path);
 
 /* ---- basic types ------------------------------------------------------- */
 
