@@ -47,6 +47,17 @@ TEST_SDIST_ENV = "PYLLAMA_HEADINFER_TEST_SDIST"
 
 
 @pytest.fixture
+def restore_logging():
+    """cli.main() configures the package logger; give other modules' caplog tests a clean one back."""
+    import logging
+
+    logger = logging.getLogger("pyllama_headinfer")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    logger.handlers[:], logger.propagate, logger.level = saved[0], saved[1], saved[2]
+
+
+@pytest.fixture
 def isolated_cache(tmp_path, monkeypatch) -> Path:
     """An empty private cache, and none of our environment overrides.
 

@@ -714,17 +714,6 @@ def cpu_build_dir():
 
 
 @pytest.fixture
-def restore_logging():
-    """cli.main() configures the package logger; give other modules' caplog tests a clean one back."""
-    import logging
-
-    logger = logging.getLogger("pyllama_headinfer")
-    saved = (list(logger.handlers), logger.propagate, logger.level)
-    yield
-    logger.handlers[:], logger.propagate, logger.level = saved[0], saved[1], saved[2]
-
-
-@pytest.fixture
 def real_cache(monkeypatch):
     monkeypatch.setenv(paths.CACHE_ENV, str(REAL_CACHE))
 

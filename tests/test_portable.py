@@ -49,17 +49,6 @@ def _h200():
                                compute_caps=["9.0"])
 
 
-@pytest.fixture
-def restore_logging():
-    """cli.main() configures the package logger; give other modules' caplog tests a clean one back."""
-    import logging
-
-    logger = logging.getLogger("pyllama_headinfer")
-    saved = (list(logger.handlers), logger.propagate, logger.level)
-    yield
-    logger.handlers[:], logger.propagate, logger.level = saved[0], saved[1], saved[2]
-
-
 # --------------------------------------------------------------------------
 # options, keys, directories
 
