@@ -29,6 +29,7 @@ from pyllama_headinfer import paths, pin
 from pyllama_headinfer.series import read_series_names
 
 import testing_models
+from test_real_model import gemma  # noqa: F401  the fixture: the real Gemma-3-270M Q4_K_M in <cache>/models
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("llama-gqa", "gemma3-iswa")
@@ -319,3 +320,66 @@ def test_server_refuses_a_bad_fraction(lcp, gguf_models, tmp_path):
                              "--headinfer_gpu_heads_frac", "1.5"], cwd=str(tmp_path), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, timeout=60)
     assert result.returncode != 0 and "headinfer_gpu_heads_frac" in result.stdout, result.stdout[-2000:]
+
+
+# --------------------------------------------------------------------------
+# llama-cpp-python 0.3.36's own suite against the patched install, offline
+
+UPSTREAM_CONFTEST = r'''
+"""Offline stand-ins (pyllama-headinfer, docs/LLAMA_CPP_PYTHON.md): hf_hub_download returns a local model or skips."""
+import os
+import pytest
+import huggingface_hub
+
+LOCAL = {"lmstudio-community/Qwen3.5-0.8B-GGUF": os.environ.get("LCP_TEST_MODEL"),
+         "ggml-org/models": os.environ.get("LCP_TEST_MODEL")}
+MODEL_SPECIFIC = {
+    "test_real_model": "asserts Qwen3.5-0.8B's token ids; the local stand-in has another vocabulary",
+    "test_real_llama": "asserts that two seeds sample different answers from Qwen3.5-0.8B; the stand-in picks the same",
+}
+
+
+def offline_hf_hub_download(repo_id, filename, *args, **kwargs):
+    path = LOCAL.get(repo_id)
+    if not path:
+        pytest.skip(f"offline: {repo_id}/{filename} has no local stand-in")
+    return path
+
+
+huggingface_hub.hf_hub_download = offline_hf_hub_download
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.name in MODEL_SPECIFIC:
+            item.add_marker(pytest.mark.skip(reason=MODEL_SPECIFIC[item.name]))
+'''
+UPSTREAM_COUNTS = {"passed": 13, "skipped": 13}
+
+
+def test_upstream_suite(lcp, gemma, tmp_path):
+    """llama-cpp-python's tests/ (test_llama, _chat_format, _grammar, _speculative) pass against the patched
+    install; what they skip is listed in docs/LLAMA_CPP_PYTHON.md."""
+    from pyllama_headinfer.source.fetch import cached_tree_path
+
+    model = gemma  # the real Gemma-3-270M Q4_K_M (tests/test_real_model.py's fixture: fetched once)
+    deps = subprocess.run([lcp["python"], "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                           "pytest>=7.4.0", "scipy>=1.10", "huggingface-hub>=0.23.0"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert deps.returncode == 0, deps.stdout
+    import shutil
+
+    shutil.copytree(ROOT / "build" / built_key() / "llama-cpp-python" / "src" / "tests", tmp_path / "tests")
+    (tmp_path / "tests" / "conftest.py").write_text(UPSTREAM_CONFTEST, encoding="utf-8")
+    (tmp_path / "vendor").mkdir()
+    (tmp_path / "vendor" / "llama.cpp").symlink_to(cached_tree_path())  # the vocab files of the tokenizer test
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    env.update(HF_HUB_OFFLINE="1", LCP_TEST_MODEL=str(model))
+    t0 = time.monotonic()
+    result = subprocess.run([lcp["python"], "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=900)
+    print(f"\nllama-cpp-python's suite: {time.monotonic() - t0:.1f} s")
+    summary = result.stdout.strip().splitlines()[-1]
+    counts = {k: int(n) for n, k in __import__("re").findall(r"(\d+) (passed|skipped|failed|error)", summary)}
+    assert result.returncode == 0 and counts == UPSTREAM_COUNTS, result.stdout[-5000:]
