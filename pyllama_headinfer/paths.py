@@ -66,6 +66,15 @@ def patches_dir() -> Path:
     return PACKAGE_DIR / "_patches"
 
 
+PYTHON_SERIES = "llama-cpp-python"
+
+
+def python_patches_dir() -> Path:
+    """The second series, for the Python layer of the llama-cpp-python sdist
+    (``build --llama-cpp-python``): ``<patches_dir()>/llama-cpp-python``."""
+    return patches_dir() / PYTHON_SERIES
+
+
 def build_root() -> Path:
     """Where build directories live: ``<checkout>/build`` in a source
     checkout, else ``<cache>/build``. The build tool creates them here and the

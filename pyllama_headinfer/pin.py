@@ -73,3 +73,22 @@ def pinned_files() -> dict[str, PinnedFile]:
             raise RuntimeError(f"unexpected {kind} entry in the pin listing: {path}")
         files[path] = PinnedFile(mode, blob)
     return files
+
+
+# The Python layer of the same sdist (llama_cpp/, its server, tests, packaging: everything but
+# vendor/), which `build --llama-cpp-python` patches with the series in patches/llama-cpp-python.
+# Pinned like the C tree: data/llama-cpp-python-<version>.tree lists every file's mode and git
+# blob id, as extracted from the sdist.
+SDIST_PYTHON_EXCLUDE = ("vendor",)
+PYTHON_LAYER_DIRNAME = f"llama-cpp-python-{SDIST_VERSION}"
+
+
+@lru_cache(maxsize=1)
+def python_layer_files() -> dict[str, PinnedFile]:
+    """Path -> (mode, blob) of every file of the sdist's Python layer (all but vendor/)."""
+    files = {}
+    for line in _data(f"llama-cpp-python-{SDIST_VERSION}.tree").decode().splitlines():
+        meta, path = line.split("\t", 1)
+        mode, _kind, blob = meta.split(" ")
+        files[path] = PinnedFile(mode, blob)
+    return files

@@ -42,6 +42,9 @@ def _base_options(tools: bool) -> Dict[str, str]:
     on_if_tools = "ON" if tools else "OFF"
     return {
         "BUILD_SHARED_LIBS": "ON",
+        # The libraries find each other through $ORIGIN, not this directory's absolute path, so
+        # they still load when copied elsewhere (`build --llama-cpp-python` puts them in a wheel).
+        "CMAKE_BUILD_RPATH_USE_ORIGIN": "ON",
         "LLAMA_BUILD_TESTS": "OFF",
         "LLAMA_BUILD_EXAMPLES": "OFF",
         "LLAMA_BUILD_COMMON": on_if_tools,

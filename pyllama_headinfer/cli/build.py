@@ -1,5 +1,7 @@
 """``pyllama-headinfer build``: configure and compile the patched llama.cpp
-(:func:`pyllama_headinfer.build.build.build`; docs/BUILD.md)."""
+(:func:`pyllama_headinfer.build.build.build`; docs/BUILD.md), and with
+``--llama-cpp-python`` a patched llama-cpp-python on top of it
+(:mod:`pyllama_headinfer.build.llama_cpp_python`; docs/LLAMA_CPP_PYTHON.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import sys
 from pyllama_headinfer.build import toolchain
 from pyllama_headinfer.build.build import build, plan_for_directory
 from pyllama_headinfer.build.plan import BUILD_TYPES, SANITIZERS
-from pyllama_headinfer.errors import EXIT_OK
+from pyllama_headinfer.build.llama_cpp_python import install_llama_cpp_python
+from pyllama_headinfer.errors import EXIT_OK, UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,9 +66,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="show CMake's and ninja's full output (also with the global -v)")
     run_g.add_argument("--dry-run", action="store_true",
                        help="print the configuration (directory, CMake options) and exit")
+    lcp = parser.add_argument_group("llama-cpp-python")
+    lcp.add_argument("--llama-cpp-python", action="store_true",
+                     help="after the build, make this environment's llama_cpp the patched one: a wheel of the "
+                          "pinned llama-cpp-python sdist with the patches/llama-cpp-python series and this "
+                          "build's libraries, in <build dir>/dist, installed with pip (docs/LLAMA_CPP_PYTHON.md)")
+    lcp.add_argument("--python", metavar="PYTHON",
+                     help="with --llama-cpp-python: the Python whose environment gets it (default: this one, "
+                          f"{sys.executable})")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.python and not args.llama_cpp_python:
+        raise UsageError("--python is for --llama-cpp-python")
+    if args.llama_cpp_python and (args.sanitize or args.portable):
+        raise UsageError("--llama-cpp-python needs a plain build: its libraries go into llama_cpp/lib, which "
+                         f"{'a sanitizer' if args.sanitize else 'a --portable'} build's cannot be loaded from")
     cmake_args = [a for a in getattr(args, "cmake_args", []) if a] + \
         [f"-D{d.strip()}" for d in getattr(args, "defines", [])]
     if args.dry_run:
@@ -79,9 +95,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"config_key": plan.key, "backend": plan.backend, "portable": plan.portable,
                           "build_dir": str(plan.build_dir), "cmake_options": plan.options}, indent=2))
         return EXIT_OK
-    build(llama_src=args.llama_src, allow_unverified=args.allow_unverified, build_dir=args.build_dir,
+    result = build(llama_src=args.llama_src, allow_unverified=args.allow_unverified, build_dir=args.build_dir,
           cuda=args.cuda, cuda_arch=args.cuda_arch, cmake_args=cmake_args, sanitize=args.sanitize,
           build_type=args.build_type, tools=args.tools, reset_options=args.reset_options,
           portable=args.portable, jobs=args.jobs,
           wait=args.wait, fresh=args.fresh, bindings=args.bindings, verbose=bool(args.show_output or args.verbose))
+    if args.llama_cpp_python:
+        install_llama_cpp_python(result.build_dir, result.manifest, python=args.python,
+                                 say=lambda msg: print(msg, file=sys.stderr, flush=True))
     return EXIT_OK

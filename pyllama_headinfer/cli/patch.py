@@ -1,12 +1,15 @@
 """``pyllama-headinfer patch check|apply|revert|status|export``: the patch
-manager (:mod:`pyllama_headinfer.patches`) on a llama.cpp tree."""
+manager (:mod:`pyllama_headinfer.patches`) on a llama.cpp tree, or with
+``--series llama-cpp-python`` the second series (``patches/llama-cpp-python``)
+on the Python layer of the llama-cpp-python sdist (``--llama-src``: e.g. the
+tree ``build --llama-cpp-python`` leaves in ``build/<config>/llama-cpp-python/src``)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
-from pyllama_headinfer import paths
+from pyllama_headinfer import paths, pin
 from pyllama_headinfer.errors import EXIT_FAILURE, EXIT_OK, UsageError
 from pyllama_headinfer.patches.apply import apply, revert
 from pyllama_headinfer.patches.check import check
@@ -30,29 +33,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sub = actions.add_parser(name, help=text, description=text)
         target = "the git checkout to export from" if name == "export" else "the llama.cpp tree"
         sub.add_argument("--llama-src", metavar="PATH", help=f"{target} (default: the cached tree)")
-        sub.add_argument("--patches-dir", metavar="DIR", help=f"series directory (default: {paths.patches_dir()})")
+        sub.add_argument("--patches-dir", metavar="DIR", help=f"series directory (default: {paths.patches_dir()}, "
+                         f"or {paths.python_patches_dir()} with --series {paths.PYTHON_SERIES})")
+        sub.add_argument("--series", choices=SERIES, default=SERIES[0],
+                         help=f"which series: {SERIES[0]} (the C series, on a llama.cpp tree; default) or "
+                              f"{paths.PYTHON_SERIES} (on the Python layer of the {pin.SDIST_NAME} "
+                              f"{pin.SDIST_VERSION} sdist, given with --llama-src)")
         if name == "export":
             sub.add_argument("--base", metavar="COMMIT",
                              help="the commit the series starts from (default: the pin, or the commit with its tree)")
 
 
+SERIES = ("llama.cpp", paths.PYTHON_SERIES)
+
+
 def run(args: argparse.Namespace) -> int:
     action = args.patch_action
+    python_layer = args.series == paths.PYTHON_SERIES
+    patches_dir = args.patches_dir or (paths.python_patches_dir() if python_layer else None)
+    pristine = pin.python_layer_files() if python_layer else None
+    if python_layer and not args.llama_src:
+        raise UsageError(f"--series {paths.PYTHON_SERIES} needs --llama-src: the sdist's Python layer "
+                         "(e.g. build/cpu/llama-cpp-python/src after `build --llama-cpp-python`)")
     if action == "export":
         if not args.llama_src and not os.environ.get(LLAMA_SRC_ENV):
             raise UsageError("export needs --llama-src: a git checkout whose commits on top of the pin are the series")
-        names = export(locate_tree(args.llama_src), args.patches_dir, base=args.base)
-        print(f"exported {len(names)} patches to {series_dir(args.patches_dir)}")
+        names = export(locate_tree(args.llama_src), patches_dir, base=args.base, pristine=pristine)
+        print(f"exported {len(names)} patches to {series_dir(patches_dir)}")
         return EXIT_OK
     tree = locate_tree(args.llama_src)
     if action == "status":
-        report = status(tree, args.patches_dir)
+        report = status(tree, patches_dir, pristine=pristine)
         print(f"{tree}: {report.describe()}")
         return EXIT_OK if report.state in (State.PRISTINE, State.APPLIED) else EXIT_FAILURE
     if action == "check":
-        report = check(tree, args.patches_dir)
+        report = check(tree, patches_dir, pristine=pristine)
         print(report.describe())
         return EXIT_OK if report.ok else EXIT_FAILURE
-    change = apply(tree, args.patches_dir) if action == "apply" else revert(tree, args.patches_dir)
+    change = (apply if action == "apply" else revert)(tree, patches_dir, pristine=pristine)
     print(change.message)
     return EXIT_OK

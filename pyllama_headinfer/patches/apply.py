@@ -57,10 +57,10 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, Optional
 
 from pyllama_headinfer.errors import PatchError
-from pyllama_headinfer.source.tree_verify import verify_tree
+from pyllama_headinfer.source.tree_verify import Listing, compare_listings, scan_tree
 from pyllama_headinfer.patches.check import check_series
 from pyllama_headinfer.patches.series import PathLike, load_series
-from pyllama_headinfer.patches.status import State, tree_root, status
+from pyllama_headinfer.patches.status import State, pinned_label, pinned_listing, tree_root, status
 from pyllama_headinfer.patches.workspace import Workspace, reversed_prefix
 
 log = logging.getLogger(__name__)
@@ -154,11 +154,15 @@ class ChangeResult:
     message: str
 
 
-def apply(tree: PathLike, patches_dir: Optional[PathLike] = None) -> ChangeResult:
-    """Apply the whole series: all or nothing, and a no-op on an already patched tree."""
+def apply(tree: PathLike, patches_dir: Optional[PathLike] = None, *,
+          pristine: Optional[Listing] = None) -> ChangeResult:
+    """Apply the whole series: all or nothing, and a no-op on an already patched tree.
+
+    ``pristine``: the unpatched tree's listing when it is not the pinned
+    llama.cpp (see :func:`~.status.status`)."""
     root = tree_root(tree)
     series = load_series(patches_dir)
-    before = status(root, patches_dir)
+    before = status(root, patches_dir, pristine=pristine)
     if before.state == State.APPLIED or (before.state == State.PRISTINE and not series.patches):
         what = "the series is empty" if not series.patches else "the series is already applied"
         return ChangeResult(root, False, f"{root}: {what}; nothing changed")
@@ -177,7 +181,7 @@ def apply(tree: PathLike, patches_dir: Optional[PathLike] = None) -> ChangeResul
             raise PatchError(f"the series does not apply to {root}; nothing changed:\n{report.describe()}")
 
         def applied_everything() -> Optional[str]:
-            after = status(root, patches_dir)
+            after = status(root, patches_dir, pristine=pristine)
             return None if after.state == State.APPLIED else f"after applying, {root} is {after.describe()}"
 
         _install(work, root, applied_everything)
@@ -185,11 +189,13 @@ def apply(tree: PathLike, patches_dir: Optional[PathLike] = None) -> ChangeResul
     return ChangeResult(root, True, f"{root}: applied {len(series)} patches")
 
 
-def revert(tree: PathLike, patches_dir: Optional[PathLike] = None) -> ChangeResult:
-    """Undo the applied patches (all, or the first k of a PARTIAL tree); the result must be the pin."""
+def revert(tree: PathLike, patches_dir: Optional[PathLike] = None, *,
+           pristine: Optional[Listing] = None) -> ChangeResult:
+    """Undo the applied patches (all, or the first k of a PARTIAL tree); the result must be the pin
+    (``pristine``, by default the pinned llama.cpp)."""
     root = tree_root(tree)
     series = load_series(patches_dir)
-    before = status(root, patches_dir)
+    before = status(root, patches_dir, pristine=pristine)
     if before.state == State.PRISTINE:
         return ChangeResult(root, False, f"{root}: already pristine; nothing changed")
     if before.state == State.MODIFIED:
@@ -201,9 +207,10 @@ def revert(tree: PathLike, patches_dir: Optional[PathLike] = None) -> ChangeResu
             raise PatchError(f"reverse-applying the series to {root} failed; nothing changed:\n{result.stderr.strip()}")
 
         def back_to_the_pin() -> Optional[str]:
-            diff = verify_tree(root)
+            diff = compare_listings(scan_tree(root), pinned_listing(pristine))
             return None if diff.ok else f"after reverting, {root} is still not the pin ({diff.describe()})"
 
         _install(work, root, back_to_the_pin)
     log.debug("reverted %d patches in %s", before.applied, root)
-    return ChangeResult(root, True, f"{root}: reverted {before.applied} patches; the tree is the pristine pin")
+    return ChangeResult(root, True, f"{root}: reverted {before.applied} patches; the tree is the pristine "
+                                    f"{pinned_label(pristine)}")

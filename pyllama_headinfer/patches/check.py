@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 from pyllama_headinfer.patches.series import PathLike, Patch, Series, load_series
 from pyllama_headinfer.patches.status import State, StatusReport, tree_root, status
 from pyllama_headinfer.patches.workspace import Workspace
+from pyllama_headinfer.source.tree_verify import Listing
 
 
 # --------------------------------------------------------------------------
@@ -132,10 +133,12 @@ def _check_one(work: Workspace, patch: Patch) -> PatchCheck:
     return PatchCheck(patch.name, Outcome.FAILS, hunks, errors)
 
 
-def check(tree: PathLike, patches_dir: Optional[PathLike] = None) -> CheckReport:
-    """Whether each patch applies to the tree, per hunk for those that fail. Read-only."""
+def check(tree: PathLike, patches_dir: Optional[PathLike] = None, *,
+          pristine: Optional[Listing] = None) -> CheckReport:
+    """Whether each patch applies to the tree, per hunk for those that fail. Read-only.
+    (``pristine``: see :func:`~.status.status`.)"""
     root = tree_root(tree)
-    return check_series(root, load_series(patches_dir), status(root, patches_dir))
+    return check_series(root, load_series(patches_dir), status(root, patches_dir, pristine=pristine))
 
 
 def check_series(root: Path, series: Series, state: StatusReport) -> CheckReport:

@@ -8,7 +8,9 @@
 The files outside the series are compared with the pin directly; the files it
 touches are undone and redone in a :class:`~.workspace.Workspace` to
 find how many leading patches they carry (and, for a MODIFIED tree, which
-files fit no patch level). Read-only.
+files fit no patch level). Read-only. The pristine tree is the pinned
+llama.cpp unless the caller passes another listing (``pristine``: the Python
+layer of the llama-cpp-python sdist for its own series).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pyllama_headinfer.errors import PatchError
 from pyllama_headinfer.patches.series import PathLike, Patch, Series, load_series
 from pyllama_headinfer.patches.workspace import Workspace, restrict_listing, reversed_prefix, listing_without
 from pyllama_headinfer.pin import PinnedFile
+from pyllama_headinfer.source.tree_verify import Listing
 
 DIFF_EXAMPLES = 8
 
@@ -49,10 +52,11 @@ class StatusReport:
     total: int
     series_names: Tuple[str, ...] = ()
     modified: Tuple[str, ...] = ()  # MODIFIED: the offending files, with a note each
+    pinned: str = f"llama.cpp {pin.LLAMA_CPP_BUILD}"  # what the pristine tree is
 
     def describe(self) -> str:
         if self.state == State.PRISTINE:
-            return f"PRISTINE: the pinned llama.cpp {pin.LLAMA_CPP_BUILD}, no patch applied ({self.total} in the series)"
+            return f"PRISTINE: the pinned {self.pinned}, no patch applied ({self.total} in the series)"
         if self.state == State.APPLIED:
             return f"APPLIED: all {self.total} patches of the series are applied"
         if self.state == State.PARTIAL:
@@ -128,12 +132,31 @@ def _file_level(work: Workspace, tree: Path, relative: str, mine: List[Patch],
     return None
 
 
-def status(tree: PathLike, patches_dir: Optional[PathLike] = None) -> StatusReport:
-    """Which state the tree is in relative to the pin and the series (never changes it)."""
+def pinned_listing(pristine: Optional[Listing] = None) -> Listing:
+    """``pristine``, else the pinned llama.cpp tree's listing (checked against the commit first)."""
+    if pristine is not None:
+        return pristine
+    tree_verify.check_pin_listing()
+    return pin.pinned_files()
+
+
+def pinned_label(pristine: Optional[Listing] = None) -> str:
+    """What a pristine tree is, for messages: the pinned llama.cpp, or the sdist's Python layer."""
+    if pristine is None:
+        return f"llama.cpp {pin.LLAMA_CPP_BUILD}"
+    return f"Python layer of {pin.SDIST_NAME} {pin.SDIST_VERSION}"
+
+
+def status(tree: PathLike, patches_dir: Optional[PathLike] = None, *,
+           pristine: Optional[Listing] = None) -> StatusReport:
+    """Which state the tree is in relative to the pin and the series (never changes it).
+
+    ``pristine`` is the listing of the unpatched tree, by default the pinned
+    llama.cpp (:func:`pin.pinned_files`); the Python-layer series passes
+    :func:`pin.python_layer_files` with its own ``patches_dir``."""
     root = tree_root(tree)
     series = load_series(patches_dir)
-    tree_verify.check_pin_listing()
-    expected = pin.pinned_files()
+    expected = pinned_listing(pristine)
     actual = tree_verify.scan_tree(root)
     touched = series.touched
     outside = tree_verify.compare_listings(listing_without(actual, touched), listing_without(expected, touched))
@@ -142,7 +165,7 @@ def status(tree: PathLike, patches_dir: Optional[PathLike] = None) -> StatusRepo
     outside_notes += [f"{p} (extra)" for p in outside.extra]
 
     def report(state: State, applied: int = 0, notes: Sequence[str] = ()) -> StatusReport:
-        return StatusReport(root, state, applied, len(series), series.names, tuple(notes))
+        return StatusReport(root, state, applied, len(series), series.names, tuple(notes), pinned_label(pristine))
 
     actual_touched = restrict_listing(actual, touched)
     pristine_touched = restrict_listing(expected, touched)

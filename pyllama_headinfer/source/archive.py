@@ -13,7 +13,7 @@ import os
 import posixpath
 import tarfile
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 from pyllama_headinfer.errors import SourceError
 
@@ -49,7 +49,8 @@ def _check_member(member: tarfile.TarInfo, relative: str) -> None:
             raise SourceError(f"unsafe archive member {name!r}: hard link to {target!r}")
 
 
-def extract_subtree(archive: PathLike, destination: PathLike, subdir: str = "") -> int:
+def extract_subtree(archive: PathLike, destination: PathLike, subdir: str = "",
+                    exclude: Sequence[str] = ()) -> int:
     """Extract ``<top>/<subdir>/...`` of a tar archive into ``destination``.
 
     Every member must sit under one common top-level directory (GitHub archives
@@ -58,10 +59,13 @@ def extract_subtree(archive: PathLike, destination: PathLike, subdir: str = "") 
     directory so an aborted extraction never reaches the final place. A
     ``.git`` at the subtree's top is skipped: in an sdist it is a gitfile
     pointing outside the subtree, which would break git commands run inside.
-    Returns the number of members extracted.
+    Members under a directory named in ``exclude`` (relative to the subtree,
+    e.g. ``"vendor"`` for the Python layer of the sdist) are checked like the
+    others but not extracted. Returns the number of members extracted.
     """
     dest = Path(destination)
     prefix = subdir.strip("/") + "/" if subdir.strip("/") else ""
+    skipped = tuple(e.strip("/") for e in exclude if e.strip("/"))
     top_dir: Optional[str] = None
     extracted = 0
     try:
@@ -80,7 +84,8 @@ def extract_subtree(archive: PathLike, destination: PathLike, subdir: str = "") 
                 if not rest.startswith(prefix) or rest == prefix.rstrip("/"):
                     continue
                 relative = rest[len(prefix):]
-                if relative == ".git" or relative.startswith(".git/"):
+                if any(relative == top_name or relative.startswith(top_name + "/")
+                       for top_name in (".git", *skipped)):
                     continue
                 _extract_member(tar, member, relative, prefix, top_dir, dest)
                 extracted += 1

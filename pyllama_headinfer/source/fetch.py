@@ -184,6 +184,15 @@ def _download_sdist(downloads: Path) -> Tuple[Path, str]:
     return found, pin.SDIST_SUBDIR
 
 
+def sdist_archive() -> Path:
+    """The pinned llama-cpp-python sdist in the downloads directory, downloaded with pip if it is
+    not there (its vendor/llama.cpp is verified whenever a tree is fetched from it; its Python
+    layer by :mod:`.python_layer`)."""
+    downloads = downloads_dir()
+    downloads.mkdir(parents=True, exist_ok=True)
+    return _download_sdist(downloads)[0]
+
+
 def _github_archive_path(downloads: Path) -> Path:
     return downloads / f"llama.cpp-{pin.LLAMA_CPP_COMMIT}.tar.gz"
 
