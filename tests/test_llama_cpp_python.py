@@ -198,6 +198,24 @@ def test_split_matches_whole(lcp, gguf_models, name):
     assert len(out["cont"]["1.0->1.0"]) == 8
 
 
+def test_real_models_same_at_any_fraction(lcp, gemma, tmp_path, built):
+    """Real weights through llama-cpp-python: the real Gemma-3-270M Q4_K_M (one KV head per layer,
+    so no layer can split: the fraction must change nothing) and a GQA model quantized to Q4_K_M by
+    llama.cpp's own quantizer (its quantized weights reach the CPU's quantized kernels, AMX where
+    the CPU has it, and every layer splits): text, logits, chat and state loads identical."""
+    from pyllama_headinfer.llama import quantize_model
+
+    quantized = quantize_model(testing_models.ensure_test_models(tmp_path / "models")["llama-gqa"],
+                               tmp_path / "llama-gqa-q4_k_m.gguf", "q4_k_m", n_threads=2)
+    for path, splits in ((gemma, False), (quantized, True)):
+        out = run_py(lcp, SAME_CODE, str(path))
+        whole, split = out["1.0"], out["0.5"]
+        assert (split["split"] == split["layers"] > 0) if splits else (split["split"] == 0 == split["host"])
+        assert (split["text"], split["tokens"], split["logits"], split["chat"]) == \
+            (whole["text"], whole["tokens"], whole["logits"], whole["chat"]), path
+        assert out["cont"]["1.0->0.5"] == out["cont"]["0.5->1.0"] == out["cont"]["1.0->1.0"]
+
+
 BAD_CODE = r"""
 import json, math, sys, warnings
 from llama_cpp import Llama
