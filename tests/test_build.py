@@ -515,6 +515,25 @@ def test_fake_build_then_up_to_date(fake_toolchain, monkeypatch):
     assert third.configured
 
 
+def test_then_runs_while_the_build_still_holds_the_directory(fake_toolchain, monkeypatch):
+    """`build --llama-cpp-python` makes its wheel in `then`: a concurrent build of the directory
+    must wait for it (it copies the libraries and writes llama-cpp-python/ and dist/)."""
+    monkeypatch.setenv("FAKE_NINJA_MODE", "ok")
+    d = fake_toolchain / "b"
+    seen = []
+
+    def then(build_dir, manifest):
+        with pytest.raises(BuildError, match="Another build is using"):
+            with build_lock(build_dir, wait=False):
+                pass
+        seen.append((build_dir, manifest["series_hash"]))
+
+    B.build(build_dir=d, bindings=False, out=io.StringIO(), then=then)
+    assert seen == [(d, "f" * 64)]
+    with build_lock(d, wait=False):  # released afterwards
+        pass
+
+
 def test_a_plain_build_keeps_the_tools_of_the_directory(fake_toolchain, monkeypatch):
     """`build` after `build --tools` used to drop the tools from the configuration, so
     the next `build --tools` recompiled them all (139 steps); issue 16.4."""

@@ -45,7 +45,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Mapping, Optional, Sequence
+from typing import IO, Callable, Mapping, Optional, Sequence
 
 from pyllama_headinfer.build import cpu_kernels, toolchain
 from pyllama_headinfer import pin
@@ -93,12 +93,17 @@ def build(*, llama_src: Optional[os.PathLike] = None, allow_unverified: bool = F
           tools: Optional[bool] = None, reset_options: bool = False, portable: bool = False,
           jobs: Optional[int] = None, wait: bool = True, fresh: bool = False, bindings: bool = True,
           verbose: bool = False, out: Optional[IO[str]] = None,
-          env: Optional[Mapping[str, str]] = None) -> BuildResult:
+          env: Optional[Mapping[str, str]] = None,
+          then: Optional[Callable[[Path, dict], None]] = None) -> BuildResult:
     """Builds the patched llama.cpp; returns where and what (see the module docstring).
 
     The directory keeps the tools and the ``-D`` options it was configured with unless told
     otherwise (``tools=False``, a new ``-D`` of the name, ``reset_options``): see
     :func:`plan_for_directory`.
+
+    ``then(build_dir, manifest)``, when given, runs after the closing report while the build
+    still holds ``<build_dir>/.lock`` (``build --llama-cpp-python`` makes and installs its wheel
+    there, so no other build of the directory relinks the libraries it copies).
 
     Raises :class:`BuildError` (or another :class:`HeadInferError`) with a
     one-paragraph message on every expected failure, :class:`BuildInterrupted`
@@ -114,7 +119,7 @@ def build(*, llama_src: Optional[os.PathLike] = None, allow_unverified: bool = F
         return _build(say, out, llama_src=llama_src, allow_unverified=allow_unverified, build_dir=build_dir,
                       cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
                       build_type=build_type, tools=tools, reset_options=reset_options, portable=portable,
-                      jobs=jobs, wait=wait, fresh=fresh, bindings=bindings, verbose=verbose, env=env)
+                      jobs=jobs, wait=wait, fresh=fresh, bindings=bindings, verbose=verbose, env=env, then=then)
     except KeyboardInterrupt:
         raise interrupted_error() from None
 
@@ -162,7 +167,8 @@ def plan_for_directory(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] 
 
 
 def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch, cmake_args, sanitize,
-           build_type, tools, reset_options, portable, jobs, wait, fresh, bindings, verbose, env) -> BuildResult:
+           build_type, tools, reset_options, portable, jobs, wait, fresh, bindings, verbose, env,
+           then=None) -> BuildResult:
     start = time.monotonic()
     plan = plan_for_directory(cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
                               build_type=build_type, tools=tools, reset_options=reset_options, portable=portable,
@@ -215,8 +221,11 @@ def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch,
         manifest["duration_s"] = round(time.monotonic() - start, 2)
         write_json(d / MANIFEST_NAME, manifest)
 
-    seconds = time.monotonic() - start
-    _report(say, d, manifest, waited=waited, no_work=no_work, configured=configured, steps=steps, seconds=seconds)
+        seconds = time.monotonic() - start
+        _report(say, d, manifest, waited=waited, no_work=no_work, configured=configured, steps=steps,
+                seconds=seconds)
+        if then is not None:
+            then(d, manifest)
     return BuildResult(d, manifest, up_to_date, configured, steps, seconds)
 
 

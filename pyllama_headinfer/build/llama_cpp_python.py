@@ -1,6 +1,8 @@
 """``build --llama-cpp-python``: make a Python environment's ``llama_cpp`` the patched one.
 
-After the normal build, from the same pinned llama-cpp-python sdist the C
+After the normal build, still holding its ``<build_dir>/.lock`` (so no
+other build of the directory uses the scratch directories or relinks the
+libraries while they are copied), from the same pinned llama-cpp-python sdist the C
 tree came from and with this build's compiled libraries (no second C++
 compile):
 

@@ -95,12 +95,16 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"config_key": plan.key, "backend": plan.backend, "portable": plan.portable,
                           "build_dir": str(plan.build_dir), "cmake_options": plan.options}, indent=2))
         return EXIT_OK
-    result = build(llama_src=args.llama_src, allow_unverified=args.allow_unverified, build_dir=args.build_dir,
+    def llama_cpp_python(build_dir, manifest) -> None:
+        # inside the build's lock: no other build of the directory touches llama-cpp-python/, dist/
+        # or relinks the libraries while the wheel copies them
+        install_llama_cpp_python(build_dir, manifest, python=args.python,
+                                 say=lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    build(llama_src=args.llama_src, allow_unverified=args.allow_unverified, build_dir=args.build_dir,
           cuda=args.cuda, cuda_arch=args.cuda_arch, cmake_args=cmake_args, sanitize=args.sanitize,
           build_type=args.build_type, tools=args.tools, reset_options=args.reset_options,
           portable=args.portable, jobs=args.jobs,
-          wait=args.wait, fresh=args.fresh, bindings=args.bindings, verbose=bool(args.show_output or args.verbose))
-    if args.llama_cpp_python:
-        install_llama_cpp_python(result.build_dir, result.manifest, python=args.python,
-                                 say=lambda msg: print(msg, file=sys.stderr, flush=True))
+          wait=args.wait, fresh=args.fresh, bindings=args.bindings, verbose=bool(args.show_output or args.verbose),
+          then=llama_cpp_python if args.llama_cpp_python else None)
     return EXIT_OK
