@@ -122,6 +122,21 @@ def test_wheel_libraries_find_each_other_by_origin(lcp):
         assert runpath and all("$ORIGIN" in line and str(ROOT) not in line for line in runpath), runpath
 
 
+def test_a_failed_add_libraries_leaves_no_partial_wheel(tmp_path):
+    import zipfile
+
+    from pyllama_headinfer.build.llama_cpp_python import add_libraries
+    from pyllama_headinfer.errors import BuildError
+
+    wheel = tmp_path / "llama_cpp_python-0.3.36-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("llama_cpp/__init__.py", "")  # no .dist-info/RECORD
+    out = tmp_path / "dist"
+    with pytest.raises(BuildError, match="has no RECORD"):
+        add_libraries(wheel, {}, out)
+    assert list(out.iterdir()) == []
+
+
 def test_python_series_is_separate_and_applied(lcp):
     names = read_series_names(paths.python_patches_dir())
     assert len(names) == 5 and all(n.endswith(".patch") for n in names)

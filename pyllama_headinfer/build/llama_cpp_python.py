@@ -133,35 +133,39 @@ def add_libraries(wheel: Path, libraries: Mapping[str, Path], out_dir: Path) -> 
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".part")
     records: List[List[str]] = []
-    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as dst:
-        record_name = next((n for n in src.namelist() if n.endswith(".dist-info/RECORD")), None)
-        if record_name is None:
-            raise BuildError(f"{wheel} has no RECORD")
-        dist_info = record_name.rsplit("/", 1)[0]
+    try:
+        with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as dst:
+            record_name = next((n for n in src.namelist() if n.endswith(".dist-info/RECORD")), None)
+            if record_name is None:
+                raise BuildError(f"{wheel} has no RECORD")
+            dist_info = record_name.rsplit("/", 1)[0]
 
-        def write(arcname: str, data: bytes, mode: int = 0o644) -> None:
-            info = zipfile.ZipInfo(arcname, date_time=(1980, 1, 1, 0, 0, 0))
-            info.external_attr = (0o100000 | mode) << 16
-            info.compress_type = zipfile.ZIP_DEFLATED
-            dst.writestr(info, data)
-            records.append([arcname, _record_hash(data), str(len(data))])
+            def write(arcname: str, data: bytes, mode: int = 0o644) -> None:
+                info = zipfile.ZipInfo(arcname, date_time=(1980, 1, 1, 0, 0, 0))
+                info.external_attr = (0o100000 | mode) << 16
+                info.compress_type = zipfile.ZIP_DEFLATED
+                dst.writestr(info, data)
+                records.append([arcname, _record_hash(data), str(len(data))])
 
-        for item in src.infolist():
-            if item.filename == record_name or item.filename.startswith("llama_cpp/lib/"):
-                continue
-            data = src.read(item)
-            if item.filename == f"{dist_info}/WHEEL":
-                text = re.sub(r"(?m)^Root-Is-Purelib:.*$", "Root-Is-Purelib: false", data.decode())
-                text = re.sub(r"(?m)^Tag:.*\n?", "", text).rstrip("\n") + f"\nTag: py3-none-{platform_tag()}\n"
-                data = text.encode()
-            write(item.filename, data, (item.external_attr >> 16) & 0o777 or 0o644)
-        for arcname, path in sorted(libraries.items()):
-            write(f"llama_cpp/lib/{arcname}", path.read_bytes(), 0o755)
-        buffer = io.StringIO()
-        csv.writer(buffer, lineterminator="\n").writerows(records + [[record_name, "", ""]])
-        info = zipfile.ZipInfo(record_name, date_time=(1980, 1, 1, 0, 0, 0))
-        info.external_attr = (0o100000 | 0o644) << 16
-        dst.writestr(info, buffer.getvalue(), zipfile.ZIP_DEFLATED)
+            for item in src.infolist():
+                if item.filename == record_name or item.filename.startswith("llama_cpp/lib/"):
+                    continue
+                data = src.read(item)
+                if item.filename == f"{dist_info}/WHEEL":
+                    text = re.sub(r"(?m)^Root-Is-Purelib:.*$", "Root-Is-Purelib: false", data.decode())
+                    text = re.sub(r"(?m)^Tag:.*\n?", "", text).rstrip("\n") + f"\nTag: py3-none-{platform_tag()}\n"
+                    data = text.encode()
+                write(item.filename, data, (item.external_attr >> 16) & 0o777 or 0o644)
+            for arcname, path in sorted(libraries.items()):
+                write(f"llama_cpp/lib/{arcname}", path.read_bytes(), 0o755)
+            buffer = io.StringIO()
+            csv.writer(buffer, lineterminator="\n").writerows(records + [[record_name, "", ""]])
+            info = zipfile.ZipInfo(record_name, date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = (0o100000 | 0o644) << 16
+            dst.writestr(info, buffer.getvalue(), zipfile.ZIP_DEFLATED)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, target)
     return target
 
