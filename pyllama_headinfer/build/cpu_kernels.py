@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
+from pyllama_headinfer.build.plan import cmake_truthy
+
 # compiler macro -> ggml's name for the feature (the names ggml_backend_cpu_get_features
 # and llama_print_system_info use), in ggml's order
 FEATURE_MACROS: Tuple[Tuple[str, str], ...] = (
@@ -171,8 +173,14 @@ def cmake_cache_values(build_dir: Path, names: Tuple[str, ...]) -> Dict[str, str
     return out
 
 
-def _on(value: Optional[str]) -> bool:
-    return (value or "").strip().upper() in ("1", "ON", "YES", "TRUE", "Y")
+def _cache_on(cache: Mapping[str, str], name: str) -> bool:
+    return cmake_truthy(cache.get(name, "OFF"))
+
+
+def backend_dl(build_dir: Path) -> bool:
+    """Whether the build loads its backends as modules (``GGML_BACKEND_DL`` in its CMake cache):
+    the manifest's ``backend_dl`` and ``cpu_kernels.backend_dl``."""
+    return _cache_on(cmake_cache_values(build_dir, ("GGML_BACKEND_DL",)), "GGML_BACKEND_DL")
 
 
 def cpu_kernels(build_dir: Path, cc: Optional[str], modules: Mapping[str, str]) -> dict:
@@ -184,19 +192,19 @@ def cpu_kernels(build_dir: Path, cc: Optional[str], modules: Mapping[str, str]) 
     instruction sets the ``GGML_*`` options chose). ``modules``: target ->
     path of the build's dynamically loaded backends.
     """
-    cache = cmake_cache_values(build_dir, ("GGML_NATIVE", "GGML_BACKEND_DL", "GGML_CPU_ALL_VARIANTS"))
+    cache = cmake_cache_values(build_dir, ("GGML_NATIVE", "GGML_CPU_ALL_VARIANTS"))
     variants = probe_variants(build_dir, cc)
     native = any(f in ("-march=native", "-mcpu=native") for v in variants for f in v.flags)
-    if _on(cache.get("GGML_CPU_ALL_VARIANTS")) or len(variants) > 1:
+    if _cache_on(cache, "GGML_CPU_ALL_VARIANTS") or len(variants) > 1:
         kind = "portable"
-    elif native or _on(cache.get("GGML_NATIVE")):
+    elif native or _cache_on(cache, "GGML_NATIVE"):
         kind = "native"
     else:
         kind = "fixed"
     amx_known = [v.amx for v in variants if v.amx is not None]
     return {
         "kind": kind,
-        "backend_dl": _on(cache.get("GGML_BACKEND_DL")),
+        "backend_dl": backend_dl(build_dir),
         "amx": any(amx_known) if amx_known else None,
         "variants": [dict(v.as_dict(), library=modules.get(v.target)) for v in variants],
     }

@@ -70,7 +70,7 @@ def manifest_record(plan: BuildPlan, source_tree: Path, series_hash: str, cmake:
     d = plan.build_dir
     compilers = toolchain.compilers_used(d, cmake.version)
     cc = (compilers.get("c") or {}).get("path")
-    backend_dl = cmake_truthy(cpu_kernels.cmake_cache_values(d, ("GGML_BACKEND_DL",)).get("GGML_BACKEND_DL", "OFF"))
+    backend_dl = cpu_kernels.backend_dl(d)
     linked, modules = split_modules(libs, backend_dl)
     modules_abs = {name: str(d / rel) for name, rel in modules.items()}
     return {
