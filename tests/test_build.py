@@ -594,6 +594,38 @@ def test_a_later_build_keeps_the_defines_of_the_directory(fake_toolchain, monkey
     assert not B.build(build_dir=d, bindings=False, out=out).configured and "-D options" not in out.getvalue()
 
 
+def test_build_type_and_cuda_arch_override_the_remembered_defines(tmp_path, monkeypatch):
+    """--build-type and --cuda-arch win over a remembered -DCMAKE_BUILD_TYPE / -DCMAKE_CUDA_ARCHITECTURES,
+    so the "Keeping ..." line must not list them; a remembered -D that undoes --portable says where it
+    came from."""
+    monkeypatch.setattr(toolchain, "probe_cuda", _h200)
+    d = tmp_path / "b"
+    d.mkdir()
+    write_json(d / steps.STATE_NAME, {"argv": [], "user_defines": [
+        "-DCMAKE_BUILD_TYPE=Debug", "-DCMAKE_CUDA_ARCHITECTURES=80", "-DGGML_LTO=ON"]})
+    said = []
+    plan = B.plan_for_directory(cuda=True, cuda_arch="90", build_type="Release", build_dir=d, env={},
+                                say=said.append)
+    assert plan.build_type == "Release" and plan.cuda_arch == "90" and plan.options["GGML_LTO"] == "ON"
+    assert said == ["Keeping the -D options this directory was configured with: -DGGML_LTO=ON "
+                    "(a new -D of the same name overrides one; --reset-options drops them)."]
+    said.clear()
+    plan = B.plan_for_directory(cuda=True, build_dir=d, env={}, say=said.append)  # nothing overrides them
+    assert plan.build_type == "Debug" and plan.cuda_arch == "80"
+    assert said == ["Keeping the -D options this directory was configured with: -DCMAKE_BUILD_TYPE=Debug "
+                    "-DCMAKE_CUDA_ARCHITECTURES=80 -DGGML_LTO=ON (a new -D of the same name overrides one; "
+                    "--reset-options drops them)."]
+
+    write_json(d / steps.STATE_NAME, {"argv": [], "user_defines": ["-DGGML_BACKEND_DL=OFF"]})
+    with pytest.raises(BuildError) as err:
+        B.plan_for_directory(cuda=False, portable=True, build_dir=d, env={})
+    assert "-DGGML_BACKEND_DL=OFF was given (remembered by this build directory; --reset-options drops it)" \
+        in str(err.value)
+    with pytest.raises(BuildError, match=r"was given \(from --cmake-arg or \$CMAKE_ARGS\)"):
+        B.plan_for_directory(cuda=False, portable=True, build_dir=d, env={}, cmake_args=["-DGGML_NATIVE=ON"])
+    assert B.plan_for_directory(cuda=False, portable=True, build_dir=d, env={}, reset_options=True).portable
+
+
 def test_defines_of_a_directory_configured_before_they_were_recorded(tmp_path):
     """A configure state written before `user_defines` existed: the user's options are the -D of its
     command line that the tool does not set itself."""

@@ -136,14 +136,20 @@ def plan_for_directory(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] 
     neither drops a part nor recompiles everything: the tools (``tools`` None keeps them,
     False removes them) and the user's ``-D`` options (a new ``-D`` of the same name, or
     ``--cuda``/``--no-cuda`` for ``GGML_CUDA``, overrides one; ``reset_options`` drops them
-    all). Each thing kept or dropped is one line through ``say``.
+    all; ``build_type`` and ``cuda_arch`` override a remembered ``CMAKE_BUILD_TYPE`` and
+    ``CMAKE_CUDA_ARCHITECTURES``). Each thing kept or dropped is one line through ``say``.
     """
     plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=cmake_args, sanitize=sanitize,
                       build_type=build_type, tools=bool(tools), portable=portable, build_dir=build_dir, env=env)
     d = plan.build_dir
-    remembered = [a for a in configured_user_defines(d)
-                  if parse_define(a)[0] not in plan.user_options
-                  and not (cuda is not None and parse_define(a)[0] == "GGML_CUDA")]
+    overridden = set(plan.user_options)  # a -D of the same name, or the option that sets it
+    if cuda is not None:
+        overridden.add("GGML_CUDA")
+    if build_type is not None:
+        overridden.add("CMAKE_BUILD_TYPE")
+    if cuda_arch is not None:
+        overridden.add("CMAKE_CUDA_ARCHITECTURES")
+    remembered = [a for a in configured_user_defines(d) if parse_define(a)[0] not in overridden]
     kept: Sequence[str] = ()
     if remembered and reset_options:
         say(f"Dropping the -D options this directory was configured with (--reset-options): {' '.join(remembered)}")
@@ -162,7 +168,7 @@ def plan_for_directory(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] 
     if kept or keep_tools:
         plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=[*kept, *cmake_args], sanitize=sanitize,
                           build_type=build_type, tools=bool(tools) or keep_tools, portable=portable, build_dir=d,
-                          env=env)
+                          env=env, remembered={parse_define(a)[0] for a in kept})
     return plan
 
 

@@ -17,7 +17,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Collection, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from pyllama_headinfer.build import toolchain
 from pyllama_headinfer import paths, pin
@@ -219,27 +219,35 @@ def _choose_cuda(cuda: Optional[bool], user: Dict[str, str],
     return bool(cuda), probe, notes
 
 
-def _check_portable(user: Mapping[str, str]) -> None:
-    """--portable with a -D option that undoes it is an error (CMake would fail or build something else)."""
+def _check_portable(user: Mapping[str, str], remembered: Collection[str] = ()) -> None:
+    """--portable with a -D option that undoes it is an error (CMake would fail or build something else).
+    ``remembered``: the names whose -D came from the build directory's remembered options."""
+    def given(name: str) -> str:
+        if name in remembered:
+            return "remembered by this build directory; --reset-options drops it"
+        return "from --cmake-arg or $CMAKE_ARGS"
+
     for name, value in PORTABLE_OPTIONS.items():
         if name in user and cmake_truthy(user[name]) != cmake_truthy(value):
             raise BuildError(f"--portable sets -D{name}={value}, but -D{name}={user[name]} was given "
-                             "(from --cmake-arg or $CMAKE_ARGS); drop one of them.")
+                             f"({given(name)}); drop one of them.")
     if "BUILD_SHARED_LIBS" in user and not cmake_truthy(user["BUILD_SHARED_LIBS"]):
         raise BuildError("--portable loads the CPU variants as shared modules (GGML_BACKEND_DL), which needs "
-                         f"BUILD_SHARED_LIBS=ON, but -DBUILD_SHARED_LIBS={user['BUILD_SHARED_LIBS']} was given.")
+                         f"BUILD_SHARED_LIBS=ON, but -DBUILD_SHARED_LIBS={user['BUILD_SHARED_LIBS']} was given "
+                         f"({given('BUILD_SHARED_LIBS')}).")
 
 
 def plan_build(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
                cmake_args: Sequence[str] = (), sanitize: Optional[str] = None,
                build_type: Optional[str] = None, tools: bool = False, portable: bool = False,
                build_dir: Optional[os.PathLike] = None, env: Optional[Mapping[str, str]] = None,
-               probe_fn=None) -> BuildPlan:
+               probe_fn=None, remembered: Collection[str] = ()) -> BuildPlan:
     """Decides backend, options, key and directory, without touching the disk.
 
     ``portable``: kernels for every CPU generation, picked at run time
     (:data:`PORTABLE_OPTIONS`); with CUDA, and no ``cuda_arch``, also
     llama.cpp's portable set of GPU architectures instead of the visible GPUs'.
+    ``remembered``: the names of the ``cmake_args`` that the build directory remembered (for messages).
     """
     env = os.environ if env is None else env
     probe_fn = probe_fn or toolchain.probe_cuda
@@ -247,7 +255,7 @@ def plan_build(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] = None,
         raise BuildError(f"--sanitize must be one of {', '.join(SANITIZERS)}, not {sanitize!r}")
     user, user_types = _user_options(cmake_args, env)
     if portable:
-        _check_portable(user)
+        _check_portable(user, remembered)
     use_cuda, probe, notes = _choose_cuda(cuda, user, probe_fn)
 
     options = _base_options(tools)
