@@ -2,9 +2,10 @@
 
 After the normal build, still holding its ``<build_dir>/.lock`` (so no
 other build of the directory uses the scratch directories or relinks the
-libraries while they are copied), from the same pinned llama-cpp-python sdist the C
-tree came from and with this build's compiled libraries (no second C++
-compile):
+libraries while they are copied), from the pinned llama-cpp-python sdist on
+PyPI (whose ``vendor/llama.cpp`` is the pin; used whichever way the C tree
+was obtained: that sdist, GitHub's archive or ``--llama-src``) and with this
+build's compiled libraries (no second C++ compile):
 
 1. extract the sdist's Python layer (everything but ``vendor/``, verified
    file by file: :mod:`pyllama_headinfer.source.python_layer`) into
