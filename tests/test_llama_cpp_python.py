@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -52,11 +53,11 @@ def lcp(built) -> dict:
     t1 = time.monotonic()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "build", "--llama-cpp-python",
-                             "--python", str(python)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                             "--build-dir", str(build_dir()), "--python", str(python)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert result.returncode == 0, result.stdout
     t2 = time.monotonic()
-    wheel = next((ROOT / "build" / built_key() / "dist").glob("llama_cpp_python-*.whl"))
+    wheel = next((build_dir() / "dist").glob("llama_cpp_python-*.whl"))
     deps = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *SERVER_DEPS],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert deps.returncode == 0, deps.stdout
@@ -66,11 +67,12 @@ def lcp(built) -> dict:
     return {"python": str(python), "wheel": wheel, "seconds": seconds}
 
 
-def built_key() -> str:
-    """The configuration the bindings (and a plain `build`) use: cpu here, cuda-sm90 on a GPU machine."""
+def build_dir() -> Path:
+    """The build the bindings use (and `build --llama-cpp-python` is told to use): build/cpu here,
+    build/cuda-sm90 on a GPU machine, or $PYLLAMA_HEADINFER_BUILD_DIR."""
     from pyllama_headinfer.runtime.manifest import find_manifest
 
-    return Path(find_manifest().build_dir).name
+    return Path(find_manifest().build_dir)
 
 
 def run_py(lcp: dict, code: str, *args: str, split: bool = True, timeout: float = 300) -> dict:
@@ -115,7 +117,7 @@ def test_wheel_libraries_find_each_other_by_origin(lcp):
 
     names = set(zipfile.ZipFile(lcp["wheel"]).namelist())
     assert {"llama_cpp/lib/libllama.so", "llama_cpp/lib/libggml.so", "llama_cpp/lib/libggml-base.so.0"} <= names
-    readelf = subprocess.run(["readelf", "-d", str(ROOT / "build" / built_key() / "bin" / "libllama.so")],
+    readelf = subprocess.run(["readelf", "-d", str(build_dir() / "bin" / "libllama.so")],
                              stdout=subprocess.PIPE, text=True)
     if readelf.returncode == 0:
         runpath = [line for line in readelf.stdout.splitlines() if "RUNPATH" in line or "RPATH" in line]
@@ -141,7 +143,7 @@ def test_python_series_is_separate_and_applied(lcp):
     names = read_series_names(paths.python_patches_dir())
     assert len(names) == 5 and all(n.endswith(".patch") for n in names)
     assert not set(names) & set(read_series_names())  # the C series does not list them
-    tree = ROOT / "build" / built_key() / "llama-cpp-python" / "src"
+    tree = build_dir() / "llama-cpp-python" / "src"
     result = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "patch", "status", "--series",
                              "llama-cpp-python", "--llama-src", str(tree)], cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
@@ -400,9 +402,8 @@ def test_upstream_suite(lcp, gemma, tmp_path):
                            "pytest>=7.4.0", "scipy>=1.10", "huggingface-hub>=0.23.0"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert deps.returncode == 0, deps.stdout
-    import shutil
 
-    shutil.copytree(ROOT / "build" / built_key() / "llama-cpp-python" / "src" / "tests", tmp_path / "tests")
+    shutil.copytree(build_dir() / "llama-cpp-python" / "src" / "tests", tmp_path / "tests")
     (tmp_path / "tests" / "conftest.py").write_text(UPSTREAM_CONFTEST, encoding="utf-8")
     (tmp_path / "vendor").mkdir()
     (tmp_path / "vendor" / "llama.cpp").symlink_to(cached_tree_path())  # the vocab files of the tokenizer test
