@@ -62,17 +62,22 @@ def pinned_tree_id() -> str:
     return tree
 
 
-@lru_cache(maxsize=1)
-def pinned_files() -> dict[str, PinnedFile]:
-    """Path -> (mode, blob) of every file in the pinned commit."""
+def _read_listing(name: str) -> dict[str, PinnedFile]:
+    """Path -> (mode, blob) of a packaged tree listing (``git ls-tree -r`` lines: mode, "blob", id, path)."""
     files = {}
-    for line in _data(f"llama.cpp-{LLAMA_CPP_BUILD}.tree").decode().splitlines():
+    for line in _data(name).decode().splitlines():
         meta, path = line.split("\t", 1)
         mode, kind, blob = meta.split(" ")
         if kind != "blob":
-            raise RuntimeError(f"unexpected {kind} entry in the pin listing: {path}")
+            raise RuntimeError(f"unexpected {kind} entry in the listing {name}: {path}")
         files[path] = PinnedFile(mode, blob)
     return files
+
+
+@lru_cache(maxsize=1)
+def pinned_files() -> dict[str, PinnedFile]:
+    """Path -> (mode, blob) of every file in the pinned commit."""
+    return _read_listing(f"llama.cpp-{LLAMA_CPP_BUILD}.tree")
 
 
 # The Python layer of the same sdist (llama_cpp/, its server, tests, packaging: everything but
@@ -86,9 +91,4 @@ PYTHON_LAYER_DIRNAME = f"llama-cpp-python-{SDIST_VERSION}"
 @lru_cache(maxsize=1)
 def python_layer_files() -> dict[str, PinnedFile]:
     """Path -> (mode, blob) of every file of the sdist's Python layer (all but vendor/)."""
-    files = {}
-    for line in _data(f"llama-cpp-python-{SDIST_VERSION}.tree").decode().splitlines():
-        meta, path = line.split("\t", 1)
-        mode, _kind, blob = meta.split(" ")
-        files[path] = PinnedFile(mode, blob)
-    return files
+    return _read_listing(f"llama-cpp-python-{SDIST_VERSION}.tree")
