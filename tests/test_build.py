@@ -786,7 +786,7 @@ def test_manifest(cpu_build_dir):
     assert m["duration_s"] >= 0 and m["built_at"]
 
 
-def _cpuinfo_flags() -> set:
+def cpuinfo_flags() -> set:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -804,7 +804,7 @@ def test_manifest_records_the_cpu_kernels(cpu_build_dir):
     variant = kernels["variants"][0]
     assert variant["flags"] == ["-march=native"] and variant["library"] is None
     features = set(variant["features"])  # asked from the compiler: never unknown with GCC/Clang
-    cpu = _cpuinfo_flags()
+    cpu = cpuinfo_flags()
     if not cpu:
         pytest.skip("no /proc/cpuinfo flags to compare with")
     for flag, feature in (("avx2", "AVX2"), ("avx512f", "AVX512"), ("avx512_vnni", "AVX512_VNNI"),

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from pyllama_headinfer import paths, pin
 from pyllama_headinfer.series import read_series_names
 
 import testing_models
+from test_serve import free_port
 from test_real_model import gemma  # noqa: F401  the fixture: the real Gemma-3-270M Q4_K_M in <cache>/models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,14 +286,8 @@ print(json.dumps(out))
 # llama_cpp.server with the official openai client
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_server(lcp: dict, model: Path, frac: float, log: Path):
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env[testing_models.FORCE_SPLIT] = "1"
     handle = log.open("w")

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, find_manifest
+from test_build import cpuinfo_flags
 from testing_models import FORCE_SPLIT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,10 +79,7 @@ print(json.dumps(out))
 
 
 def _cpu_has_amx() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = cpuinfo_flags()
     return "amx_int8" in flags and "amx_tile" in flags
 
 

@@ -170,13 +170,11 @@ def test_gemma3_270m_serve_answers_the_same_at_any_fraction(gemma, server_binary
     """The patched llama-server (started the way `serve` starts it) on the real model: the same
     greedy completion through the openai client at frac 1.0 and 0.5."""
     from pyllama_headinfer.cli import serve as serve_cli
-    import socket
+    from test_serve import free_port
 
     answers = {}
     for frac in (1.0, 0.5):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         command = serve_cli.server_command(gemma, frac=frac, vram_budget=None, margin="0", host="127.0.0.1", port=port,
                                            extra=["-c", "1024", "-np", "1", "-t", "2", "--no-warmup"],
                                            server=server_binary)
