@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from pyllama_headinfer import pin
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 CACHE_ENV = "PYLLAMA_HEADINFER_CACHE"
@@ -49,21 +51,28 @@ def project_root() -> Optional[Path]:
     return candidate if 'name = "pyllama-headinfer"' in text else None
 
 
-def patches_dir() -> Path:
-    """The directory holding ``series`` and the patch files.
+def patches_root() -> Path:
+    """The directory of every series: ``<build>/`` per pin (``series`` and the
+    patch files) and ``llama-cpp-python/`` for the Python layer.
 
-    ``$PYLLAMA_HEADINFER_PATCHES`` when set (for maintainers trying a series
-    elsewhere), else the checkout's ``patches/``, else the copy a wheel carries
-    as ``pyllama_headinfer/_patches`` (pyproject force-includes it). The path
-    may not exist: an absent directory means an empty series.
+    The checkout's ``patches/``, else the copy a wheel carries as
+    ``pyllama_headinfer/_patches`` (pyproject force-includes it).
     """
-    explicit = os.environ.get(PATCHES_ENV)
-    if explicit:
-        return Path(explicit).expanduser().resolve()
     root = project_root()
     if root is not None:
         return root / "patches"
     return PACKAGE_DIR / "_patches"
+
+
+def patches_dir(chosen: Optional[pin.Pin] = None) -> Path:
+    """The directory holding a pin's ``series`` and patch files: ``$PYLLAMA_HEADINFER_PATCHES``
+    when set (for maintainers trying a series elsewhere), else ``<patches_root()>/<pin build>``
+    for ``chosen`` (default: the active pin). The path may not exist: an absent directory
+    means an empty series."""
+    explicit = os.environ.get(PATCHES_ENV)
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    return patches_root() / (chosen or pin.active()).build
 
 
 PYTHON_SERIES = "llama-cpp-python"
@@ -71,8 +80,8 @@ PYTHON_SERIES = "llama-cpp-python"
 
 def python_patches_dir() -> Path:
     """The second series, for the Python layer of the llama-cpp-python sdist
-    (``build --llama-cpp-python``): ``<patches_dir()>/llama-cpp-python``."""
-    return patches_dir() / PYTHON_SERIES
+    (``build --llama-cpp-python``): ``<patches_root()>/llama-cpp-python``."""
+    return patches_root() / PYTHON_SERIES
 
 
 def build_root() -> Path:

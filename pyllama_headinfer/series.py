@@ -69,6 +69,8 @@ def series_hash(patches_dir: Optional[PathLike] = None) -> str:
     return digest.hexdigest()
 
 
-def build_stamp(patches_dir: Optional[PathLike] = None) -> str:
-    """The stamp a build of this checkout is compiled with: ``"<pin commit>+<series hash>"``."""
-    return f"{pin.LLAMA_CPP_COMMIT}+{series_hash(patches_dir)}"
+def build_stamp(chosen: Optional[pin.Pin] = None) -> str:
+    """The stamp a build of this checkout for a pin (default: the active one) is compiled with:
+    ``"<pin ident>+<series hash>"`` (the ident is the commit, or ``tree:<id>`` without one)."""
+    chosen = chosen or pin.active()
+    return f"{chosen.ident}+{series_hash(paths.patches_dir(chosen))}"

@@ -67,7 +67,7 @@ def isolated_cache(tmp_path, monkeypatch) -> Path:
     """
     cache = tmp_path / "cache"
     monkeypatch.setenv(paths.CACHE_ENV, str(cache))
-    for variable in (fetch.LLAMA_SRC_ENV, fetch.ARCHIVE_URL_ENV, paths.PATCHES_ENV):
+    for variable in (fetch.LLAMA_SRC_ENV, fetch.ARCHIVE_URL_ENV, paths.PATCHES_ENV, pin.PIN_ENV):
         monkeypatch.delenv(variable, raising=False)
     return cache
 
@@ -86,7 +86,7 @@ def pinned_source(tmp_path_factory) -> Path:
         tree = fetch.ensure_source(accept=tree_acceptance)
         if not verify_tree(tree).ok:
             # acceptable but patched: the tests want the pristine pin
-            tree = copy_tree(tree, tmp_path_factory.mktemp("pristine") / pin.SOURCE_DIRNAME)
+            tree = copy_tree(tree, tmp_path_factory.mktemp("pristine") / pin.active().source_dirname)
             revert(tree)
     return tree
 
@@ -94,7 +94,7 @@ def pinned_source(tmp_path_factory) -> Path:
 @pytest.fixture
 def pinned_copy(pinned_source, tmp_path) -> Path:
     """A private copy of the pinned tree, for tests that modify it."""
-    return copy_tree(pinned_source, tmp_path / pin.SOURCE_DIRNAME)
+    return copy_tree(pinned_source, tmp_path / pin.active().source_dirname)
 
 
 @pytest.fixture(scope="session")
@@ -105,7 +105,7 @@ def pinned_sdist() -> Path:
         return Path(explicit)
     downloads = REAL_CACHE / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
-    archive, _ = fetch._download_sdist(downloads)
+    archive, _ = fetch._download_sdist(downloads, pin.PINS[pin.DEFAULT_PIN].sdists[0])
     return archive
 
 
@@ -255,6 +255,16 @@ def _build_fake_pin(root: Path) -> FakePin:
     return FakePin(repo, tree, patches, base, git_listing(repo, base), tree_id)
 
 
+class _FakePinRecord(pin.Pin):
+    """A pin whose listing is given, not packaged (and without a packaged commit object)."""
+
+    def files(self):
+        return self.listing
+
+    def commit_object(self):
+        return None
+
+
 @pytest.fixture(scope="session")
 def fake_pin_template(tmp_path_factory) -> FakePin:
     return _build_fake_pin(tmp_path_factory.mktemp("fakepin"))
@@ -262,10 +272,12 @@ def fake_pin_template(tmp_path_factory) -> FakePin:
 
 @pytest.fixture
 def fake_pin(fake_pin_template, monkeypatch) -> FakePin:
-    """Make the tiny repository's base commit the pin, for this test."""
-    monkeypatch.setattr(pin, "pinned_files", lambda: fake_pin_template.listing)
-    monkeypatch.setattr(pin, "pinned_tree_id", lambda: fake_pin_template.tree_id)
-    monkeypatch.setattr(pin, "LLAMA_CPP_COMMIT", fake_pin_template.base)
+    """Make the tiny repository's base commit the pin, for this test: a pin record ``bfake``
+    (registered in ``pin.PINS`` and made the active pin) whose listing is the repository's."""
+    record = _FakePinRecord("bfake", fake_pin_template.base, fake_pin_template.tree_id, "2026-01-01", ())
+    object.__setattr__(record, "listing", fake_pin_template.listing)
+    monkeypatch.setitem(pin.PINS, record.build, record)
+    monkeypatch.setenv(pin.PIN_ENV, record.build)
     monkeypatch.setenv(paths.PATCHES_ENV, str(fake_pin_template.patches))
     return fake_pin_template
 

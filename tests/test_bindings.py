@@ -110,12 +110,12 @@ def test_compile_extension_roundtrip(tmp_path, build_info):
 def test_stamp_matches_checkout(built):
     ffi, lib = built
     assert bindings.check_stamp(ffi, lib) == build_stamp()
-    assert build_stamp() == f"{pin.LLAMA_CPP_COMMIT}+{series_hash()}"
+    assert build_stamp() == f"{pin.active().commit}+{series_hash()}"
 
 
 def test_stale_stamp_is_refused(built, monkeypatch):
     ffi, lib = built
-    monkeypatch.setattr(bindings, "build_stamp", lambda: "0" * 40 + "+other-series")
+    monkeypatch.setattr(bindings, "build_stamp", lambda chosen=None: "0" * 40 + "+other-series")
     with pytest.raises(StaleBuildError, match=r"stale build.*python -m pyllama_headinfer build"):
         bindings.check_stamp(ffi, lib)
 

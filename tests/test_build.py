@@ -182,7 +182,7 @@ def test_plan_nvcc_without_gpu_builds_cpu_and_says_why(tmp_path):
     assert o["CMAKE_BUILD_TYPE"] == "Release" and o["BUILD_SHARED_LIBS"] == "ON"
     assert o["LLAMA_BUILD_TESTS"] == o["LLAMA_BUILD_TOOLS"] == o["LLAMA_BUILD_APP"] == "OFF"
     assert "GGML_CUDA" not in o and "GGML_NATIVE" not in o  # llama.cpp's defaults stay
-    assert o["LLAMA_BUILD_NUMBER"] == pin.LLAMA_CPP_BUILD[1:]
+    assert o["LLAMA_BUILD_NUMBER"] == pin.active().build[1:]
 
 
 def test_plan_gpu_visible_builds_cuda_for_its_arch(tmp_path):
@@ -771,7 +771,7 @@ def real_cache(monkeypatch):
 
 def test_manifest(cpu_build_dir):
     m = read_manifest(cpu_build_dir).data
-    assert m["pin"] == {"build": pin.LLAMA_CPP_BUILD, "commit": pin.LLAMA_CPP_COMMIT}
+    assert m["pin"] == {"build": pin.active().build, "commit": pin.active().commit}
     assert m["series_hash"] == series_hash()
     assert m["backend"] == "cpu" and m["config_key"] == "cpu" and m["build_dir"] == str(cpu_build_dir)
     assert {"llama", "ggml", "ggml-base", "ggml-cpu"} <= set(m["libraries"])

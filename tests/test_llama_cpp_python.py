@@ -103,7 +103,7 @@ print(json.dumps({"version": llama_cpp.__version__, "available": llama_cpp.HEADI
                   "offset": llama_cpp.llama_context_params.headinfer_gpu_heads_frac.offset,
                   "file": llama_cpp.__file__, "maps": sorted(set(maps))}))
 """, split=False)
-    assert out["version"].startswith(f"{pin.SDIST_VERSION}+headinfer.")
+    assert out["version"].startswith(f"{pin.PYTHON_LAYER_SDIST.version}+headinfer.")
     assert out["available"] is True and out["default"] == 1.0
     # the ctypes mirror has the C layout (the cffi module is compiled against the patched llama.h)
     assert out["size"] == ffi.sizeof("struct llama_context_params")

@@ -75,7 +75,7 @@ def dead_url() -> str:
 @pytest.fixture
 def no_pypi(monkeypatch):
     """Fake-pin tests must never reach the real sdist step."""
-    def refuse(downloads):
+    def refuse(downloads, sdist):
         raise SourceError("PyPI disabled in this test")
 
     monkeypatch.setattr(fetch, "_download_sdist", refuse)
@@ -96,8 +96,8 @@ def github_like_archive(repo: Path, commit: str, destination: Path) -> Path:
 
 def test_the_packaged_listing_is_the_pinned_commit():
     tree_verify.check_pin_listing()
-    assert tree_verify.git_tree_id(pin.pinned_files()) == pin.pinned_tree_id()
-    assert len(pin.pinned_files()) == 3665
+    assert tree_verify.git_tree_id(pin.active().files()) == pin.active().tree == pin.commit_tree(pin.active())
+    assert len(pin.active().files()) == 3665
 
 
 def test_tree_and_blob_ids_match_git(fake_pin):
@@ -381,7 +381,7 @@ def test_every_source_failing_is_one_error_listing_them(dead_url, monkeypatch, t
     message = str(failure.value)
     assert "cached tree: none at" in message
     assert f"GitHub archive {dead_url}" in message
-    assert f"PyPI sdist {pin.SDIST_NAME}=={pin.SDIST_VERSION}: pip download failed" in message
+    assert f"PyPI sdist {pin.active().sdists[0].requirement}: pip download failed" in message
     assert not fetch.cached_tree_path().exists()
 
 
@@ -400,7 +400,7 @@ def test_fetch_from_the_real_sdist(pinned_sdist, dead_url, monkeypatch):
 
 def test_pip_download_command(monkeypatch, tmp_path):
     monkeypatch.setenv(fetch.PIP_ARGS_ENV, "--index-url http://mirror/simple")
-    command = fetch.pip_download_command(tmp_path)
+    command = fetch.pip_download_command(tmp_path, pin.PINS[pin.DEFAULT_PIN].sdists[0])
     assert command[1:6] == ["-m", "pip", "download", "--no-deps", "--no-binary"]
     assert command[-3:] == ["--index-url", "http://mirror/simple", "llama-cpp-python==0.3.36"]
 
@@ -423,7 +423,7 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
 def test_project_paths(monkeypatch, tmp_path):
     root = Path(__file__).resolve().parents[1]
     assert paths.project_root() == root
-    assert paths.patches_dir() == root / "patches"
+    assert paths.patches_dir() == root / "patches" / pin.DEFAULT_PIN
     monkeypatch.setenv(paths.PATCHES_ENV, str(tmp_path))
     assert paths.patches_dir() == tmp_path
 
@@ -454,7 +454,7 @@ def test_a_downloaded_sdist_is_used_without_trying_github(pinned_sdist, dead_url
 def test_pypi_comes_first_and_a_failed_source_with_another_left_is_no_error(monkeypatch, caplog, tmp_path):
     tried = []
 
-    def pypi(downloads):
+    def pypi(downloads, sdist):
         tried.append("pypi")
         raise SourceError("pip download failed (exit 1): no network")
 
@@ -469,14 +469,14 @@ def test_pypi_comes_first_and_a_failed_source_with_another_left_is_no_error(monk
         fetch.fetch_source()
     assert tried == ["pypi", "github"]
     assert [r.levelno for r in caplog.records if "not available" in r.getMessage()] == [logging.INFO]
-    assert any(m.startswith(f"PyPI sdist {pin.SDIST_NAME}=={pin.SDIST_VERSION}: not available (pip download "
+    assert any(m.startswith(f"PyPI sdist {pin.active().sdists[0].requirement}: not available (pip download "
                             "failed (exit 1): no network); trying the GitHub archive") for m in caplog.messages)
     assert "does not resolve" in str(failure.value) and "no network" in str(failure.value)  # all, in the error
 
     # an archive downloaded earlier goes first, before any network
     tried.clear()
     fetch.downloads_dir().mkdir(parents=True, exist_ok=True)
-    (fetch.downloads_dir() / f"llama.cpp-{pin.LLAMA_CPP_COMMIT}.tar.gz").write_bytes(b"")
+    (fetch.downloads_dir() / f"llama.cpp-{pin.active().commit}.tar.gz").write_bytes(b"")
     with pytest.raises(SourceError):
         fetch.fetch_source()
     assert tried == ["github", "pypi"]

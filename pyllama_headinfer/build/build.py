@@ -198,7 +198,7 @@ def _build(say, out, *, llama_src, allow_unverified, build_dir, cuda, cuda_arch,
         start += waited  # report the work, not the wait for another build
         check_disk(d, not (d / "build.ninja").exists(), plan.backend == "cuda")
         source_tree, series_hash = prepare_source(llama_src, allow_unverified, say)
-        say(f"llama.cpp {pin.LLAMA_CPP_BUILD} ({pin.LLAMA_CPP_COMMIT[:12]}) + HeadInfer series "
+        say(f"llama.cpp {pin.active().short} + HeadInfer series "
             f"{series_hash[:12]} -> {d} [{plan.key}, {plan.build_type}]")
 
         previous_manifest = read_json(d / MANIFEST_NAME)

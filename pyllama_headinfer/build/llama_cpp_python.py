@@ -84,7 +84,7 @@ def wheel_version() -> str:
     """``<sdist version>+headinfer.<12 hex>``: the hex is a hash of the C series and the Python-layer
     series, so a wheel of another series has another version."""
     digest = hashlib.sha256(f"{series_hash()}\0{series_hash(paths.python_patches_dir())}".encode()).hexdigest()
-    return f"{pin.SDIST_VERSION}+headinfer.{digest[:12]}"
+    return f"{pin.PYTHON_LAYER_SDIST.version}+headinfer.{digest[:12]}"
 
 
 def check_build(manifest: Mapping) -> None:

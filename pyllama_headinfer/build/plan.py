@@ -55,8 +55,8 @@ def _base_options(tools: bool) -> Dict[str, str]:
         # The server's web UI would be downloaded from Hugging Face at build time.
         "LLAMA_USE_PREBUILT_UI": "OFF",
         # The tree from a tarball/sdist has no .git: give build-info the pin.
-        "LLAMA_BUILD_NUMBER": pin.LLAMA_CPP_BUILD.lstrip("b"),
-        "LLAMA_BUILD_COMMIT": pin.LLAMA_CPP_COMMIT[:7],
+        "LLAMA_BUILD_NUMBER": pin.active().build.lstrip("b"),
+        "LLAMA_BUILD_COMMIT": (pin.active().commit or "unknown")[:7],
     }
 
 
@@ -125,7 +125,7 @@ def _arch_slug(archs: str) -> str:
 def config_key(backend: str = "cpu", cuda_arch: Optional[str] = None, sanitize: Optional[str] = None,
                build_type: Optional[str] = None, portable: bool = False) -> str:
     """Name of a configuration's build directory: ``cpu``, ``cuda-sm90``, ``cpu-portable``, ``cpu-asan``,
-    ``cpu-debug``."""
+    ``cpu-debug``; for a pin other than the default, its build number is appended (``cpu-b11549``)."""
     parts = [backend]
     if backend == "cuda" and cuda_arch:
         slug = _arch_slug(cuda_arch)
@@ -138,6 +138,8 @@ def config_key(backend: str = "cpu", cuda_arch: Optional[str] = None, sanitize: 
     default_type = "RelWithDebInfo" if sanitize else "Release"
     if build_type and build_type != default_type:
         parts.append(build_type.lower())
+    if pin.active().build != pin.DEFAULT_PIN:
+        parts.append(pin.active().build)
     return "-".join(parts)
 
 

@@ -75,7 +75,7 @@ def manifest_record(plan: BuildPlan, source_tree: Path, series_hash: str, cmake:
     modules_abs = {name: str(d / rel) for name, rel in modules.items()}
     return {
         "format": MANIFEST_FORMAT,
-        "pin": {"build": pin.LLAMA_CPP_BUILD, "commit": pin.LLAMA_CPP_COMMIT},
+        "pin": {"build": pin.active().build, "commit": pin.active().ident},
         "series_hash": series_hash,
         "config_key": plan.key,
         "backend": plan.backend,

@@ -27,9 +27,10 @@ import argparse
 import contextlib
 import importlib
 import logging
+import os
 import sys
 import warnings
-from typing import List, NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from pyllama_headinfer import __version__, pin
 from pyllama_headinfer.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, BuildInterrupted, HeadInferError,
@@ -115,6 +116,27 @@ def cli_logging(verbose: bool):
         package.level, package.propagate, llama.level = saved
 
 
+def take_pin_option(argv: Sequence[str]) -> Tuple[Optional[str], List[str]]:
+    """``--pin BUILD`` / ``--pin=BUILD`` taken out of the arguments wherever it stands (before a
+    ``--``), so that ``source fetch --pin b11549`` works like ``--pin b11549 source fetch``."""
+    build, rest = None, []
+    words = iter(argv)
+    for word in words:
+        if word == "--":
+            rest.append(word)
+            rest.extend(words)
+            break
+        if word == "--pin":
+            build = next(words, None)
+            if build is None:
+                raise UsageError("--pin needs a build, e.g. --pin " + pin.DEFAULT_PIN)
+        elif word.startswith("--pin="):
+            build = word[len("--pin="):]
+        else:
+            rest.append(word)
+    return build, rest
+
+
 def chosen_command(argv: Sequence[str]) -> Optional[str]:
     """The first word that is not an option (top-level options take no value)."""
     for word in argv:
@@ -127,12 +149,16 @@ def chosen_command(argv: Sequence[str]) -> Optional[str]:
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The parser; only the chosen command's module is imported to add its arguments."""
+    default = pin.PINS.get(os.environ.get(pin.PIN_ENV) or pin.DEFAULT_PIN, pin.PINS[pin.DEFAULT_PIN])
     parser = argparse.ArgumentParser(
         prog="pyllama-headinfer",
-        description=f"HeadInfer for llama.cpp {pin.LLAMA_CPP_BUILD} ({pin.LLAMA_CPP_COMMIT[:12]}).",
+        description=f"HeadInfer for llama.cpp {default.short} (pins: {', '.join(pin.PINS)}).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debugging details to stderr")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__} (llama.cpp {pin.LLAMA_CPP_BUILD})")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__} (llama.cpp {default.build})")
+    pin_help = (f"which llama.cpp pin to work on: {', '.join(pin.PINS)} (default: ${pin.PIN_ENV}, else "
+                f"{pin.DEFAULT_PIN}); each has its own source tree, patch series and build directories")
+    parser.add_argument("--pin", metavar="BUILD", help=pin_help + "; may be given after the command too")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = chosen_command(argv)
     for subcommand in SUBCOMMANDS:
@@ -141,6 +167,22 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         if subcommand.name == chosen:
             importlib.import_module(subcommand.module).add_arguments(sub)
     return parser
+
+
+@contextlib.contextmanager
+def _pin_of_command(build: Optional[str]):
+    """``--pin`` for the duration of the command: put in the environment (so every module and child
+    process agrees), then restored (``main`` may be called again in the same process)."""
+    before = os.environ.get(pin.PIN_ENV)
+    try:
+        if build is not None:
+            os.environ[pin.PIN_ENV] = build
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(pin.PIN_ENV, None)
+        else:
+            os.environ[pin.PIN_ENV] = before
 
 
 def exit_status(exc: BaseException) -> int:
@@ -157,6 +199,11 @@ def exit_status(exc: BaseException) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     try:
+        pin_build, arguments = take_pin_option(arguments)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
         parser = build_parser(arguments)
         args = parser.parse_args(arguments)
     except SystemExit as exit_:  # argparse: --help/--version (0) or a usage error (2)
@@ -164,8 +211,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.command:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    with cli_logging(args.verbose):
+    with cli_logging(args.verbose), _pin_of_command(pin_build):
         try:
+            pin.active()  # an unknown $PYLLAMA_HEADINFER_PIN is a usage error before anything runs
             return int(importlib.import_module(args.module).run(args))
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)

@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          f"or {paths.python_patches_dir()} with --series {paths.PYTHON_SERIES})")
         sub.add_argument("--series", choices=SERIES, default=SERIES[0],
                          help=f"which series: {SERIES[0]} (the C series, on a llama.cpp tree; default) or "
-                              f"{paths.PYTHON_SERIES} (on the Python layer of the {pin.SDIST_NAME} "
-                              f"{pin.SDIST_VERSION} sdist, given with --llama-src)")
+                              f"{paths.PYTHON_SERIES} (on the Python layer of the "
+                              f"{pin.PYTHON_LAYER_SDIST.requirement} sdist, given with --llama-src)")
         if name == "export":
             sub.add_argument("--base", metavar="COMMIT",
                              help="the commit the series starts from (default: the pin, or the commit with its tree)")

@@ -52,7 +52,7 @@ class StatusReport:
     total: int
     series_names: Tuple[str, ...] = ()
     modified: Tuple[str, ...] = ()  # MODIFIED: the offending files, with a note each
-    pinned: str = f"llama.cpp {pin.LLAMA_CPP_BUILD}"  # what the pristine tree is
+    pinned: str = "llama.cpp"  # what the pristine tree is (pinned_label)
 
     def describe(self) -> str:
         if self.state == State.PRISTINE:
@@ -137,14 +137,14 @@ def pinned_listing(pristine: Optional[Listing] = None) -> Listing:
     if pristine is not None:
         return pristine
     tree_verify.check_pin_listing()
-    return pin.pinned_files()
+    return pin.active().files()
 
 
 def pinned_label(pristine: Optional[Listing] = None) -> str:
     """What a pristine tree is, for messages: the pinned llama.cpp, or the sdist's Python layer."""
     if pristine is None:
-        return f"llama.cpp {pin.LLAMA_CPP_BUILD}"
-    return f"Python layer of {pin.SDIST_NAME} {pin.SDIST_VERSION}"
+        return f"llama.cpp {pin.active().build}"
+    return f"Python layer of {pin.PYTHON_LAYER_SDIST.name} {pin.PYTHON_LAYER_SDIST.version}"
 
 
 def status(tree: PathLike, patches_dir: Optional[PathLike] = None, *,
@@ -152,7 +152,7 @@ def status(tree: PathLike, patches_dir: Optional[PathLike] = None, *,
     """Which state the tree is in relative to the pin and the series (never changes it).
 
     ``pristine`` is the listing of the unpatched tree, by default the pinned
-    llama.cpp (:func:`pin.pinned_files`); the Python-layer series passes
+    llama.cpp (:meth:`pin.Pin.files` of the active pin); the Python-layer series passes
     :func:`pin.python_layer_files` with its own ``patches_dir``."""
     root = tree_root(tree)
     series = load_series(patches_dir)

@@ -42,7 +42,9 @@ import os
 import sys
 import threading
 from pathlib import Path
+from typing import Optional
 
+from pyllama_headinfer import pin
 from pyllama_headinfer.errors import NotBuiltError, StaleBuildError
 from pyllama_headinfer.runtime.log import router
 from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, Manifest, announce, find_manifest, rebuild_hint
@@ -121,10 +123,11 @@ def _import_extension(path: Path):
     return mod
 
 
-def check_stamp(ffi, lib, path: Path | str = "the extension module") -> str:
-    """The module's stamp; :class:`StaleBuildError` unless it is this checkout's."""
+def check_stamp(ffi, lib, path: Path | str = "the extension module", pin_build: Optional[str] = None) -> str:
+    """The module's stamp; :class:`StaleBuildError` unless it is this checkout's for the build's pin
+    (``pin_build``, as its manifest records it; default: the active pin)."""
     built = ffi.string(lib.pyllama_stamp()).decode()
-    current = build_stamp()
+    current = build_stamp(pin.PINS.get(pin_build) if pin_build else None)
     if built != current:
         raise StaleBuildError(
             f"stale build: {path} was compiled for {built!r}, but this checkout is {current!r} "
@@ -203,7 +206,7 @@ def load():
             raise NotBuiltError(f"the cffi extension {path} is missing (incomplete build); {rebuild_hint()}")
         mod = _import_extension(path)
         ffi, lib = mod.ffi, mod.lib
-        check_stamp(ffi, lib, path)
+        check_stamp(ffi, lib, path, manifest.pin_build)
         check_abi(ffi, lib)
         _install_logging(ffi, lib)
         load_backends(ffi, lib, manifest)  # before llama_backend_init, which would search elsewhere

@@ -170,24 +170,30 @@ def announce(manifest: Manifest) -> None:
 
 
 def _newest_manifest() -> Manifest:
+    """The most recently finished build (of the pin ``$PYLLAMA_HEADINFER_PIN`` names, when set)."""
     root = paths.build_root()
+    wanted = pin.active().build if os.environ.get(pin.PIN_ENV) else None
     found = sorted(root.glob(f"*/{MANIFEST_NAME}"), key=lambda p: p.stat().st_mtime, reverse=True)
     for path in found:
         try:
             manifest = read_manifest(path.parent)
         except NotBuiltError:
             continue
-        if not manifest.sanitize:
+        if not manifest.sanitize and wanted in (None, manifest.pin_build):
             return manifest
-    raise NotBuiltError(f"No llama.cpp build found under {root}; {rebuild_hint()}{_or_set_env()}.")
+    of_pin = f" of llama.cpp {wanted} (${pin.PIN_ENV})" if wanted else ""
+    raise NotBuiltError(f"No llama.cpp build{of_pin} found under {root}; {rebuild_hint()}{_or_set_env()}.")
 
 
 def check_current(manifest: Manifest) -> None:
-    """:class:`StaleBuildError` unless ``manifest`` was built from this checkout's pin and series."""
-    current = series_hash()
-    if manifest.pin_commit != pin.LLAMA_CPP_COMMIT or manifest.series_hash != current:
+    """:class:`StaleBuildError` unless ``manifest`` was built from one of this checkout's pins and
+    that pin's series as it is now."""
+    built = pin.PINS.get(manifest.pin_build)
+    current = series_hash(paths.patches_dir(built)) if built is not None else None
+    if built is None or manifest.pin_commit != built.ident or manifest.series_hash != current:
+        now = f"series {current[:12]} for it" if current else f"only {', '.join(pin.PINS)}"
         raise StaleBuildError(
             f"The build in {manifest.build_dir} was made from llama.cpp {manifest.pin_build} "
-            f"with patch series {manifest.series_hash[:12]}, but this checkout pins "
-            f"{pin.LLAMA_CPP_BUILD} with series {current[:12]}; {rebuild_hint()} again."
+            f"with patch series {manifest.series_hash[:12]}, but this checkout has {now}; "
+            f"{rebuild_hint()} again."
         )

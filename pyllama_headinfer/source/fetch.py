@@ -1,20 +1,22 @@
-"""Get a verified copy of the pinned llama.cpp source tree.
+"""Get a verified copy of a pinned llama.cpp source tree (the active pin:
+:func:`pyllama_headinfer.pin.active`, which ``--pin`` sets).
 
 A tree *is the pin* when every file's git blob id and mode equal the packaged
-``git ls-tree -r`` listing of the pinned commit (:func:`pin.pinned_files`),
-with no file missing or extra; a top-level ``.git`` (dir or gitfile) is
-ignored. The listing itself is checked against the commit: the git tree id
-rebuilt from it must equal the tree the commit object names.
+``git ls-tree -r`` listing of the pin (:meth:`pin.Pin.files`), with no file
+missing or extra; a top-level ``.git`` (dir or gitfile) is ignored. Where the
+tree came from does not matter: a pin is content (:mod:`pyllama_headinfer.pin`).
 
 :func:`ensure_source` tries, in order, and verifies each before use:
 
 1. an explicit tree (``llama_src`` argument or ``$PYLLAMA_HEADINFER_LLAMA_SRC``);
-2. the tree cached by an earlier fetch, ``cache_dir()/src/<SOURCE_DIRNAME>``;
-3. the llama-cpp-python sdist from PyPI, whose ``vendor/llama.cpp`` is the pin
+2. the tree cached by an earlier fetch, ``cache_dir()/src/<Pin.source_dirname>``;
+3. the PyPI sdists that vendor the pin (for b11312, llama-cpp-python's ``vendor/llama.cpp``;
+   for b11549, xllamacpp's ``thirdparty/llama.cpp``)
    (``$PYLLAMA_HEADINFER_PIP_ARGS`` adds arguments to ``pip download``, e.g.
    ``--find-links DIR --no-index``): pip's index, proxy and mirror settings
    apply, and it is what README documents;
-4. GitHub's archive of the commit (``$PYLLAMA_HEADINFER_ARCHIVE_URL`` overrides).
+4. GitHub's archive of the commit, where the pin's commit is known
+   (``$PYLLAMA_HEADINFER_ARCHIVE_URL`` overrides).
 
 An archive of 3 or 4 downloaded earlier (``cache_dir()/downloads``) is used
 before anything goes to the network. A source that fails while another is
@@ -37,6 +39,7 @@ keyed by the tree's absolute path, never inside the tree
 from __future__ import annotations
 
 import filecmp
+import functools
 import hashlib
 import json
 import logging
@@ -86,15 +89,17 @@ def pristine(tree: PathLike) -> Tuple[bool, str]:
 
 
 def cached_tree_path() -> Path:
-    return paths.cache_dir() / "src" / pin.SOURCE_DIRNAME
+    """Where the active pin's tree is cached."""
+    return paths.cache_dir() / "src" / pin.active().source_dirname
 
 
 def downloads_dir() -> Path:
     return paths.cache_dir() / "downloads"
 
 
-def archive_url() -> str:
-    return os.environ.get(ARCHIVE_URL_ENV) or pin.GITHUB_ARCHIVE_URL
+def archive_url() -> Optional[str]:
+    """GitHub's archive of the active pin's commit (None for a pin without a known commit)."""
+    return os.environ.get(ARCHIVE_URL_ENV) or pin.active().github_archive_url
 
 
 # --------------------------------------------------------------------------
@@ -127,6 +132,8 @@ def _download_github_archive(downloads: Path) -> Tuple[Path, str]:
     import requests  # imported here: only this source needs it
 
     url = archive_url()
+    if url is None:
+        raise SourceError(f"llama.cpp {pin.active().build} has no known commit, so no GitHub archive")
     log.info("downloading %s", url)
     fd, name = tempfile.mkstemp(dir=downloads, prefix=f".{target.name}.", suffix=".part")
     partial = Path(name)
@@ -148,53 +155,52 @@ def _download_github_archive(downloads: Path) -> Tuple[Path, str]:
     return target, ""
 
 
-def _find_sdist(downloads: Path) -> Optional[Path]:
-    for name in (pin.SDIST_NAME.replace("-", "_"), pin.SDIST_NAME):
-        candidate = downloads / f"{name}-{pin.SDIST_VERSION}.tar.gz"
+def _find_sdist(downloads: Path, sdist: pin.Sdist) -> Optional[Path]:
+    for name in (sdist.name.replace("-", "_"), sdist.name):
+        candidate = downloads / f"{name}-{sdist.version}.tar.gz"
         if candidate.is_file():
             return candidate
     return None
 
 
-def pip_download_command(downloads: Path) -> List[str]:
+def pip_download_command(downloads: Path, sdist: pin.Sdist) -> List[str]:
     extra = shlex.split(os.environ.get(PIP_ARGS_ENV, ""))
     return [
         # --no-binary for this package only: ":all:" would also make pip build the sdist's build
         # requirements (CMake!) from source just to read its metadata -- over 20 minutes on 2 cores
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", pin.SDIST_NAME,
-        "--dest", str(downloads), *extra, f"{pin.SDIST_NAME}=={pin.SDIST_VERSION}",
+        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", sdist.name,
+        "--dest", str(downloads), *extra, sdist.requirement,
     ]
 
 
-def _download_sdist(downloads: Path) -> Tuple[Path, str]:
-    found = _find_sdist(downloads)
+def _download_sdist(downloads: Path, sdist: pin.Sdist) -> Tuple[Path, str]:
+    found = _find_sdist(downloads, sdist)
     if found is None:
-        command = pip_download_command(downloads)
-        log.info("downloading the %s %s sdist with pip (about a minute)", pin.SDIST_NAME, pin.SDIST_VERSION)
+        command = pip_download_command(downloads, sdist)
+        log.info("downloading the %s %s sdist with pip (about a minute)", sdist.name, sdist.version)
         log.debug("running %s", shlex.join(command))
         result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if result.returncode != 0:
             tail = "\n".join(result.stdout.strip().splitlines()[-5:])
             raise SourceError(f"pip download failed (exit {result.returncode}): {tail}")
-        found = _find_sdist(downloads)
+        found = _find_sdist(downloads, sdist)
         if found is None:
-            raise SourceError(f"pip download succeeded but left no {pin.SDIST_NAME} sdist in {downloads}")
+            raise SourceError(f"pip download succeeded but left no {sdist.name} sdist in {downloads}")
     else:
         log.info("using the sdist downloaded earlier: %s", found)
-    return found, pin.SDIST_SUBDIR
+    return found, sdist.subdir
 
 
-def sdist_archive() -> Path:
-    """The pinned llama-cpp-python sdist in the downloads directory, downloaded with pip if it is
-    not there (its vendor/llama.cpp is verified whenever a tree is fetched from it; its Python
-    layer by :mod:`.python_layer`)."""
+def sdist_archive(sdist: pin.Sdist = pin.PYTHON_LAYER_SDIST) -> Path:
+    """An sdist in the downloads directory (default: llama-cpp-python's, whose Python layer
+    :mod:`.python_layer` verifies), downloaded with pip if it is not there."""
     downloads = downloads_dir()
     downloads.mkdir(parents=True, exist_ok=True)
-    return _download_sdist(downloads)[0]
+    return _download_sdist(downloads, sdist)[0]
 
 
 def _github_archive_path(downloads: Path) -> Path:
-    return downloads / f"llama.cpp-{pin.LLAMA_CPP_COMMIT}.tar.gz"
+    return downloads / f"llama.cpp-{pin.active().commit}.tar.gz"
 
 
 @dataclass
@@ -207,11 +213,13 @@ class _Fetcher:
 def _remote_sources(downloads: Path) -> List[_Fetcher]:
     """PyPI, then GitHub (see the module docstring); one downloaded earlier first."""
     sources = [
-        _Fetcher(f"PyPI sdist {pin.SDIST_NAME}=={pin.SDIST_VERSION}", _download_sdist,
-                 lambda d: _find_sdist(d) is not None),
-        _Fetcher(f"GitHub archive {archive_url()}", _download_github_archive,
-                 lambda d: _github_archive_path(d).is_file()),
+        _Fetcher(f"PyPI sdist {sdist.requirement}", functools.partial(_download_sdist, sdist=sdist),
+                 functools.partial(lambda d, sdist: _find_sdist(d, sdist) is not None, sdist=sdist))
+        for sdist in pin.active().sdists
     ]
+    if archive_url() is not None:
+        sources.append(_Fetcher(f"GitHub archive {archive_url()}", _download_github_archive,
+                                lambda d: _github_archive_path(d).is_file()))
     return sorted(sources, key=lambda fetcher: not fetcher.downloaded(downloads))
 
 
@@ -324,10 +332,10 @@ def _fetch_into_cache(tried: List[str], *, replace: bool = False) -> Path:
             if i + 1 < len(sources):  # not an error yet: the next source may well work
                 log.info("%s: not available (%s); trying the %s", fetcher.label, exc, sources[i + 1].label)
             continue
-        log.info("pinned llama.cpp %s ready at %s", pin.LLAMA_CPP_BUILD, tree)
+        log.info("pinned llama.cpp %s ready at %s", pin.active().build, tree)
         return tree
     raise SourceError(
-        f"could not obtain llama.cpp {pin.LLAMA_CPP_BUILD} ({pin.LLAMA_CPP_COMMIT}); tried:\n"
+        f"could not obtain llama.cpp {pin.active().short}; tried:\n"
         + "\n".join(f"  - {line}" for line in tried)
     )
 
@@ -384,8 +392,8 @@ def ensure_source(llama_src: Optional[PathLike] = None, *, allow_unverified: boo
     if explicit:
         return _use_existing(
             _explicit_tree(explicit), "the llama.cpp tree", allow_unverified,
-            "Point --llama-src at a checkout of "
-            f"{pin.LLAMA_CPP_COMMIT} ({pin.LLAMA_CPP_BUILD}), or leave it out to use the cached download.",
+            f"Point --llama-src at a tree of llama.cpp {pin.active().short}, "
+            "or leave it out to use the cached download.",
             accept,
         )
     cached = cached_tree_path()

@@ -39,7 +39,7 @@ def extract_python_layer(destination: PathLike) -> Path:
         diff = compare_listings(scan_tree(tree, use_cache=False), pin.python_layer_files())
         if not diff.ok:
             raise SourceError(f"the Python layer of {archive.name} is not the pinned "
-                              f"{pin.SDIST_NAME} {pin.SDIST_VERSION} ({diff.describe()}); delete {archive} "
+                              f"{pin.PYTHON_LAYER_SDIST.requirement} ({diff.describe()}); delete {archive} "
                               "and build again to download it afresh")
         if final.exists():
             forget_stat_cache(final)

@@ -1,10 +1,10 @@
 """Whether a tree on disk is the pinned llama.cpp commit, file by file.
 
 A tree *is the pin* when every file's git blob id and mode equal the packaged
-``git ls-tree -r`` listing of the pinned commit (:func:`pin.pinned_files`),
+``git ls-tree -r`` listing of the pin (:meth:`pin.Pin.files`),
 with no file missing or extra; a top-level ``.git`` (dir or gitfile) is
-ignored. The listing itself is checked against the commit: the git tree id
-rebuilt from it must equal the tree the commit object names
+ignored. The listing itself is checked: the git tree id rebuilt from it must
+equal the pin's tree (and the tree its commit object names, where packaged)
 (:func:`check_pin_listing`).
 
 Here: git blob and tree hashing (:func:`hash_file`, :func:`git_tree_id`),
@@ -105,20 +105,21 @@ def _hash_tree_node(node: dict) -> str:
 _proven_listings: set = set()
 
 
-def check_pin_listing() -> None:
-    """Prove the packaged listing is the pinned commit's tree (once per process)."""
-    listing = pin.pinned_files()
-    expected = pin.pinned_tree_id()
-    key = (id(listing), len(listing), expected)  # pin.pinned_files() is cached: same object
-    if key in _proven_listings:
+def check_pin_listing(chosen: Optional[pin.Pin] = None) -> None:
+    """Prove the packaged listing of a pin (default: the active one) is its tree, and where the
+    commit object is packaged, that the commit names that tree (once per process and pin)."""
+    chosen = chosen or pin.active()
+    if chosen.build in _proven_listings:
         return
-    rebuilt = git_tree_id(listing)
-    if rebuilt != expected:
+    rebuilt = git_tree_id(chosen.files())
+    named = pin.commit_tree(chosen)
+    if rebuilt != chosen.tree or named not in (None, chosen.tree):
         raise SourceError(
-            f"the packaged file listing of llama.cpp {pin.LLAMA_CPP_BUILD} hashes to tree "
-            f"{rebuilt}, but the pinned commit names tree {expected}: the package data is corrupt"
+            f"the packaged file listing of llama.cpp {chosen.build} hashes to tree {rebuilt}, but the pin "
+            f"names tree {chosen.tree}" + (f" and its commit tree {named}" if named else "") +
+            ": the package data is corrupt"
         )
-    _proven_listings.add(key)
+    _proven_listings.add(chosen.build)
 
 
 # --------------------------------------------------------------------------
@@ -277,7 +278,8 @@ def compare_listings(actual: Listing, expected: Listing) -> TreeDiff:
     return TreeDiff(tuple(missing), tuple(extra), tuple(differing))
 
 
-def verify_tree(tree: PathLike) -> TreeDiff:
-    """Compare a tree on disk with the pinned commit (checking the listing first)."""
-    check_pin_listing()
-    return compare_listings(scan_tree(tree), pin.pinned_files())
+def verify_tree(tree: PathLike, chosen: Optional[pin.Pin] = None) -> TreeDiff:
+    """Compare a tree on disk with a pin (default: the active one), checking its listing first."""
+    chosen = chosen or pin.active()
+    check_pin_listing(chosen)
+    return compare_listings(scan_tree(tree), chosen.files())
