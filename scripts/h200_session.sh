@@ -9,25 +9,31 @@
 #   scripts/h200_session.sh OUTDIR streams  # per-slot streams, attention per part: exactness, decode, buffers, slots (~7 min)
 #   scripts/h200_session.sh OUTDIR slots    # per-slot streams far from full vs unified, 32K decode repeated (~3 min)
 #   scripts/h200_session.sh OUTDIR state    # gpu_check --no-cuda-fusion, then llama-server slot save/restore at 32K (~3 min)
+#   scripts/h200_session.sh OUTDIR pin      # a pin's checks: gpu_check, test-backend-ops, test-llama-archs, 32K decode (~3 min)
+#
+# PYLLAMA_HEADINFER_PIN picks the pin (its build directory is build/cuda-sm90-<pin> for a pin other than the
+# default); HI_CARRY names the carried directory of source archives (default .gpu-carry; the device carries
+# 64 MiB, so one pin's source per session: e.g. .gpu-carry-b11549/ holding the xllamacpp sdist).
 #
 # Needs, in the checkout: .gpu-carry/llama.cpp-<pin commit>.tar.gz (a GitHub-style archive of the pin,
 # e.g. the sdist's vendor/llama.cpp packed under llama.cpp-<commit>/), and .whl/ with the wheels of
 # cffi, pycparser and gguf for the machine's python3 (the device tool's README says how).
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state}
-part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state}
+out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin}
+part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
 export PYLLAMA_HEADINFER_CACHE=${PYLLAMA_HEADINFER_CACHE:-/tmp/hi-cache}
 mkdir -p "$PYLLAMA_HEADINFER_CACHE/downloads"
-cp -n .gpu-carry/llama.cpp-*.tar.gz "$PYLLAMA_HEADINFER_CACHE/downloads/" 2>/dev/null || true
+cp -n "${HI_CARRY:-.gpu-carry}"/*.tar.gz "$PYLLAMA_HEADINFER_CACHE/downloads/" 2>/dev/null || true
 if [ -d .whl ] && [ ! -d /tmp/site ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$root
-bdir=$root/build/cuda-sm90
+pin=${PYLLAMA_HEADINFER_PIN:-b11312}
+bdir=$root/build/cuda-sm90$([ "$pin" = b11312 ] || echo "-$pin")
 bench=$bdir/bin/llama-bench
 model=/tmp/b8.gguf
 
@@ -171,6 +177,24 @@ state)
           --repeat 3 --save-dir /dev/shm --json "$out/state_save.json" --server "$bdir/bin/llama-server" --ngl 99 \
           --server-log "$out/state_server.log"; } > "$out/state_save.md" 2>> "$out/state.err"
     echo "save exit $?" >> "$out/state.err"
+    ;;
+pin)
+    # a pin's GPU checks (issue 27: a second pin becomes the default only after these pass): exactness with fusion
+    # off, the backend ops the series touches, the K-shift regression test, and decode at 32K against the link
+    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
+    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
+    for op in SET_ROWS CONCAT CPY GET_ROWS; do
+        echo "== test-backend-ops -o $op -b CUDA0"
+        tl "$bdir/bin/test-backend-ops" -o "$op" -b CUDA0 2>&1 | grep -E "FAIL|passed|Backend" | tail -3
+    done > "$out/test_backend_ops.txt" 2>&1
+    tl "$bdir/bin/test-llama-archs" -a llama -s 1 > "$out/test_llama_archs.txt" 2>&1
+    echo "test-llama-archs exit $?" >> "$out/test_llama_archs.txt"
+    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/pin.err" 2>&1
+    mkdir -p "$out/json"
+    lb dec_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 32768 -p 0 -n 32 -r 1
+    python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
+    tar czf "$out/raw.tgz" -C "$out" json bench.err pin.err 2>/dev/null
+    rm -rf "$out/json" "$out/bench.err" "$out/pin.err"
     ;;
 slots)
     # per-slot streams far from full (4 slots of 32K holding ~8K each): patch 0020 streams the cells in use of each

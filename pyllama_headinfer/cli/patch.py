@@ -1,4 +1,4 @@
-"""``pyllama-headinfer patch check|apply|revert|status|export``: the patch
+"""``pyllama-headinfer patch check|apply|revert|status|export|rebase``: the patch
 manager (:mod:`pyllama_headinfer.patches`) on a llama.cpp tree, or with
 ``--series llama-cpp-python`` the second series (``patches/llama-cpp-python``)
 on the Python layer of the llama-cpp-python sdist (``--llama-src``: e.g. the
@@ -7,13 +7,17 @@ tree ``build --llama-cpp-python`` leaves in ``build/<config>/llama-cpp-python/sr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+from pathlib import Path
 
 from pyllama_headinfer import paths, pin
 from pyllama_headinfer.errors import EXIT_FAILURE, EXIT_OK, UsageError
 from pyllama_headinfer.patches.apply import apply, revert
 from pyllama_headinfer.patches.check import check
 from pyllama_headinfer.patches.export import export
+from pyllama_headinfer.patches.retarget import drift, is_other_tree, pristine_files_of_pin, pristine_pin_files, rebase
+from pyllama_headinfer.patches.series import load_series
 from pyllama_headinfer.patches.status import State, status
 from pyllama_headinfer.series import series_dir
 from pyllama_headinfer.source.fetch import LLAMA_SRC_ENV, locate_tree
@@ -28,9 +32,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "revert": "undo the series and verify the tree is the pristine pin",
         "status": "PRISTINE, APPLIED, PARTIAL or MODIFIED (exit 1 for the last two)",
         "export": "rewrite the series from a git checkout's commits on top of the pin",
+        "rebase": "re-target the series onto another llama.cpp tree (3-way), into a new directory",
     }
     for name, text in helps.items():
         sub = actions.add_parser(name, help=text, description=text)
+        if name == "rebase":
+            sub.add_argument("--onto", metavar="TREE", required=True,
+                             help=f"the llama.cpp tree to re-target to: a directory, or a pin ({', '.join(pin.PINS)}) "
+                                  "for its verified cached tree")
+            sub.add_argument("--out", metavar="DIR",
+                             help="where the re-targeted series goes (default: patches/<pin> when --onto names a "
+                                  "pin); a series already there is learned from first (see docs/PATCHES.md)")
+            sub.add_argument("--patches-dir", metavar="DIR", help=f"the series to re-target (default: {paths.patches_dir()})")
+            continue
         target = "the git checkout to export from" if name == "export" else "the llama.cpp tree"
         sub.add_argument("--llama-src", metavar="PATH", help=f"{target} (default: the cached tree)")
         sub.add_argument("--patches-dir", metavar="DIR", help=f"series directory (default: {paths.patches_dir()}, "
@@ -47,8 +61,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 SERIES = ("llama.cpp", paths.PYTHON_SERIES)
 
 
+def _rebase(args: argparse.Namespace) -> int:
+    """``patch rebase --onto TREE|PIN [--out DIR]``: exit 0 when every patch came across (clean,
+    merged, replayed or resolved from record), 1 when conflicts are left with markers."""
+    source_dir = series_dir(args.patches_dir)
+    with contextlib.ExitStack() as stack:
+        if args.onto in pin.PINS:
+            onto = pin.PINS[args.onto]
+            # its pristine files (its cached tree may carry its own series)
+            tree = stack.enter_context(pristine_files_of_pin(onto, load_series(source_dir).touched))
+            out = Path(args.out) if args.out else paths.patches_root() / onto.build
+            target = f"llama.cpp {onto.build} ({onto.commit or 'tree ' + onto.tree})"
+        else:
+            tree = locate_tree(args.onto)
+            if not args.out:
+                raise UsageError("--out is needed when --onto is a directory (it names no pin)")
+            out, target = Path(args.out), f"the llama.cpp tree {tree}"
+        report = rebase(tree, out, source_dir, target=target)
+    print(report.describe())
+    print(f"wrote the re-targeted series to {out}")
+    if not report.ok:
+        print(f"to do: resolve the conflict markers in {', '.join(p.name for p in report.conflicting)}: apply {out}'s "
+              f"series to a git checkout of the tree (`git am`), fix each commit, `patch export --llama-src CHECKOUT "
+              f"--patches-dir {out} --base <tree commit>`, then run this rebase again to record the resolutions")
+    return EXIT_OK if report.ok else EXIT_FAILURE
+
+
 def run(args: argparse.Namespace) -> int:
     action = args.patch_action
+    if action == "rebase":
+        return _rebase(args)
     python_layer = args.series == paths.PYTHON_SERIES
     patches_dir = args.patches_dir or (paths.python_patches_dir() if python_layer else None)
     pristine = pin.python_layer_files() if python_layer else None
@@ -67,6 +109,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"{tree}: {report.describe()}")
         return EXIT_OK if report.state in (State.PRISTINE, State.APPLIED) else EXIT_FAILURE
     if action == "check":
+        series = load_series(patches_dir)
+        if not python_layer and is_other_tree(tree, series):
+            with pristine_pin_files(series) as pin_files:
+                drift_report = drift(tree, pin_files, series.directory)
+            print(drift_report.describe())
+            return EXIT_OK if drift_report.ok else EXIT_FAILURE
         report = check(tree, patches_dir, pristine=pristine)
         print(report.describe())
         return EXIT_OK if report.ok else EXIT_FAILURE

@@ -120,7 +120,7 @@ def _check_export_repo(repo: Path, base: str) -> None:
 
 
 def export(tree: PathLike, patches_dir: Optional[PathLike] = None, *, base: Optional[str] = None,
-           pristine: Optional[Listing] = None) -> List[str]:
+           pristine: Optional[Listing] = None, target: Optional[str] = None) -> List[str]:
     """Rewrite the series from the commits ``<base>..HEAD`` of the git repository ``tree``.
 
     ``base`` defaults to the pinned commit, or to the commit whose tree is the
@@ -131,7 +131,8 @@ def export(tree: PathLike, patches_dir: Optional[PathLike] = None, *, base: Opti
     files the old series listed whose content changed (see the module
     docstring), removes those the new series does not list, and rewrites
     ``series`` when it changed. Files the old series did not list are left
-    alone. Returns the new patch names.
+    alone. ``target`` names what the series is for in its header (default: the active pin, or
+    the Python layer). Returns the new patch names.
     """
     repo = tree_root(tree)
     base = _export_base(repo, base, pristine)
@@ -150,7 +151,7 @@ def export(tree: PathLike, patches_dir: Optional[PathLike] = None, *, base: Opti
                 (directory / name).unlink(missing_ok=True)
         changed = [name for name in names if _install(Path(staging) / name, directory / name)]
         active = pin.active()
-        target = (f"llama.cpp {active.build} ({active.commit or 'tree ' + active.tree})" if pristine is None else
+        target = target or (f"llama.cpp {active.build} ({active.commit or 'tree ' + active.tree})" if pristine is None else
                   f"the Python layer of {pin.PYTHON_LAYER_SDIST.name} {pin.PYTHON_LAYER_SDIST.version} "
                   "(the sdist without vendor/)")
         header = (

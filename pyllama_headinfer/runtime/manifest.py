@@ -136,8 +136,8 @@ def find_manifest(build_dir: Optional[os.PathLike] = None, *, require_current: b
     """The build to use.
 
     ``build_dir`` None: ``$PYLLAMA_HEADINFER_BUILD_DIR``, else the most
-    recently finished build under :func:`paths.build_root` (sanitizer builds
-    only when named: they load only with their runtime preloaded).
+    recently finished build of the active pin under :func:`paths.build_root`
+    (sanitizer builds only when named: they load only with their runtime preloaded).
     ``require_current``: :class:`StaleBuildError` if the build was made from
     another pin or patch series than this checkout's.
     """
@@ -170,19 +170,18 @@ def announce(manifest: Manifest) -> None:
 
 
 def _newest_manifest() -> Manifest:
-    """The most recently finished build (of the pin ``$PYLLAMA_HEADINFER_PIN`` names, when set)."""
+    """The most recently finished build of the active pin (``$PYLLAMA_HEADINFER_PIN``, else the default)."""
     root = paths.build_root()
-    wanted = pin.active().build if os.environ.get(pin.PIN_ENV) else None
+    wanted = pin.active().build
     found = sorted(root.glob(f"*/{MANIFEST_NAME}"), key=lambda p: p.stat().st_mtime, reverse=True)
     for path in found:
         try:
             manifest = read_manifest(path.parent)
         except NotBuiltError:
             continue
-        if not manifest.sanitize and wanted in (None, manifest.pin_build):
+        if not manifest.sanitize and manifest.pin_build == wanted:
             return manifest
-    of_pin = f" of llama.cpp {wanted} (${pin.PIN_ENV})" if wanted else ""
-    raise NotBuiltError(f"No llama.cpp build{of_pin} found under {root}; {rebuild_hint()}{_or_set_env()}.")
+    raise NotBuiltError(f"No build of llama.cpp {wanted} found under {root}; {rebuild_hint()}{_or_set_env()}.")
 
 
 def check_current(manifest: Manifest) -> None:

@@ -1,0 +1,555 @@
+"""Moving the series to another llama.cpp tree: the 3-way drift report and ``patch rebase``.
+
+A maintainer re-targets a patch series by replaying its commits onto the new
+upstream with 3-way merges; this module does exactly that, in a scratch git
+repository that holds only the files the series touches (seconds, not the
+176 MB tree):
+
+1. commit ``pin``: those files as the pin has them; branch ``series``: the
+   patches applied on top with ``git am`` (so every blob a patch's ``index``
+   line names exists -- the bases of the 3-way merges);
+2. commit ``upstream`` on top of ``pin``: the same files as the target tree has
+   them;
+3. each patch in turn onto ``upstream`` + the patches before it, and a verdict:
+
+   * ``clean``: applies as it is (``git apply --check``; offsets allowed);
+   * ``already upstream``: its reverse applies, so the tree carries the change;
+   * ``merged``: ``git am -3`` merges it without a conflict;
+   * ``replayed``: this patch, unchanged, was resolved by hand onto this very
+     state before -- the earlier result (in the output series) is used again;
+   * ``resolved``: it conflicted, and every conflict has a recorded resolution;
+   * ``CONFLICT``: conflicts remain; the result is committed *with* the
+     markers, so the patches after it are still tried, and each conflict is
+     reported with its file, line and the upstream code now standing there.
+
+Recorded resolutions are the equivalent of ``git rerere``, kept next to the
+target series as small JSON files (``<out>/resolutions/<id>.json``: the patch,
+the file, both sides of the conflict and the resolution) instead of rerere's
+whole-file pre- and post-images, which would be copies of upstream's sources.
+They are learned from the output series itself: when ``--out`` already holds a
+re-targeted series (a human resolved the markers and ran ``patch export``
+into it), :func:`rebase` first replays that series onto the tree and, for
+every patch of the source series that conflicts there, pairs each conflict
+with the text the human put in its place. The next re-target -- after the
+source series changed, say -- reuses both: a patch whose text and starting
+state are unchanged is replayed whole, and a conflict seen before is resolved
+as before.
+
+:func:`drift` is the read-only report behind ``patch check`` on a tree that is
+not the pin; :func:`rebase` writes the re-targeted series.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+from pyllama_headinfer import pin
+from pyllama_headinfer.errors import PatchError
+from pyllama_headinfer.patches.series import Patch, Series, load_series
+from pyllama_headinfer.patches.workspace import Workspace, restrict_listing, reversed_prefix, run_git
+
+log = logging.getLogger("pyllama_headinfer.patches")
+
+RESOLUTIONS_DIR = "resolutions"
+SHOWN_LINES = 6  # lines of upstream code shown per conflict in a report
+
+# identity and settings for the scratch repository (never the user's configuration: run_git)
+_GIT = ["-c", "user.name=pyllama-headinfer", "-c", "user.email=retarget@pyllama-headinfer.invalid",
+        "-c", "core.autocrlf=false", "-c", "merge.conflictStyle=merge", "-c", "am.keepcr=true",
+        "-c", "commit.gpgSign=false", "-c", "rerere.enabled=false"]
+
+
+class Verdict(str, Enum):
+    CLEAN = "clean"
+    UPSTREAM = "already upstream"
+    MERGED = "merged"
+    REPLAYED = "replayed"
+    RESOLVED = "resolved"
+    CONFLICT = "CONFLICT"
+
+
+@dataclass(frozen=True)
+class Conflict:
+    path: str
+    line: int  # 1-based line of the "<<<<<<<" marker in the merged file
+    ours: str  # the target tree's side (upstream, plus the patches before this one)
+    theirs: str  # the patch's side
+    resolved: bool = False
+
+    @property
+    def ident(self) -> str:
+        """What identifies the conflict wherever it shows up again (like rerere's conflict id)."""
+        return hashlib.sha1(f"{self.path}\0{self.ours}\0{self.theirs}".encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        shown = self.ours.splitlines()[:SHOWN_LINES]
+        more = len(self.ours.splitlines()) - len(shown)
+        lines = [f"    {self.path}:{self.line}: {'resolved from record ' + self.ident if self.resolved else 'conflict ' + self.ident}"]
+        if not self.resolved:
+            lines.append("      upstream has here:" if shown else "      upstream has nothing here (the patch's context moved)")
+            lines.extend(f"      | {text}" for text in shown)
+            if more > 0:
+                lines.append(f"      | ... ({more} more lines)")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class PatchResult:
+    name: str
+    verdict: Verdict
+    conflicts: Tuple[Conflict, ...] = ()
+    note: str = ""
+
+    def describe(self) -> str:
+        head = f"{self.name}: {self.verdict.value}" + (f" ({self.note})" if self.note else "")
+        return "\n".join([head, *(c.describe() for c in self.conflicts)])
+
+
+@dataclass
+class RetargetReport:
+    tree: Path
+    source: str  # what the series was made for, "llama.cpp b11312"
+    patches: List[PatchResult] = field(default_factory=list)
+    learned: int = 0  # resolutions recorded in this run
+    out: Optional[Path] = None
+
+    def count(self, verdict: Verdict) -> int:
+        return sum(1 for p in self.patches if p.verdict == verdict)
+
+    @property
+    def conflicting(self) -> List[PatchResult]:
+        return [p for p in self.patches if p.verdict == Verdict.CONFLICT]
+
+    @property
+    def ok(self) -> bool:
+        return not self.conflicting
+
+    def summary(self) -> str:
+        parts = [f"{self.count(v)} {v.value}" for v in Verdict if self.count(v)]
+        return f"{len(self.patches)} patches: " + ", ".join(parts)
+
+    def describe(self) -> str:
+        lines = [f"{self.tree}: the series for {self.source}, applied 3-way onto this tree"]
+        lines.extend(p.describe() for p in self.patches)
+        lines.append(self.summary())
+        if self.learned:
+            lines.append(f"learned {self.learned} resolution(s) from the series in {self.out}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# conflict markers
+
+
+_MARK_OURS, _MARK_SEP, _MARK_THEIRS = "<<<<<<< ", "=======", ">>>>>>> "
+
+
+def parse_conflicts(path: str, text: str) -> List[Tuple[int, int, Conflict]]:
+    """(first line index, end line index, conflict) of each marker block in ``text`` (0-based,
+    end exclusive, the marker lines included)."""
+    lines = text.splitlines(keepends=True)
+    found = []
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith(_MARK_OURS):
+            start, ours, theirs = i, [], []
+            i += 1
+            while i < len(lines) and not lines[i].rstrip("\n") == _MARK_SEP:
+                ours.append(lines[i])
+                i += 1
+            i += 1
+            while i < len(lines) and not lines[i].startswith(_MARK_THEIRS):
+                theirs.append(lines[i])
+                i += 1
+            found.append((start, i + 1, Conflict(path, start + 1, "".join(ours), "".join(theirs))))
+        i += 1
+    return found
+
+
+def has_markers(text: str) -> bool:
+    return any(line.startswith(_MARK_OURS) for line in text.splitlines())
+
+
+def learn_from(path: str, merged: str, resolved: str) -> List[Tuple[Conflict, str]]:
+    """Pair each conflict of ``merged`` with the text that stands in its place in ``resolved``.
+
+    The text between the conflicts must appear unchanged in ``resolved``, in order (the human
+    edited only the conflicts); each conflict's resolution is what lies between its neighbours.
+    Where that does not hold, the conflicts from there on are not learned (the whole resolved
+    patch is still replayed when its inputs are unchanged)."""
+    lines = merged.splitlines(keepends=True)
+    blocks = parse_conflicts(path, merged)
+    segments, position = [], 0
+    for start, end, _conflict in blocks:
+        segments.append("".join(lines[position:start]))
+        position = end
+    segments.append("".join(lines[position:]))
+    if not resolved.startswith(segments[0]):
+        return []
+    learned: List[Tuple[Conflict, str]] = []
+    cursor = len(segments[0])
+    for index, (_start, _end, conflict) in enumerate(blocks):
+        following = segments[index + 1]
+        if index + 1 == len(blocks):
+            at = len(resolved) - len(following)
+            if at < cursor or not resolved.endswith(following):
+                break
+        else:
+            at = resolved.find(following, cursor)
+            if at < 0:
+                break
+        learned.append((conflict, resolved[cursor:at]))
+        cursor = at + len(following)
+    return learned
+
+
+# --------------------------------------------------------------------------
+# recorded resolutions
+
+
+class Resolutions:
+    """The recorded resolutions of a target series: ``<dir>/resolutions/<conflict id>.json``."""
+
+    def __init__(self, series_dir: Optional[Path]):
+        self.directory = series_dir / RESOLUTIONS_DIR if series_dir is not None else None
+        self._known: Dict[str, str] = {}
+        if self.directory is not None and self.directory.is_dir():
+            for entry in sorted(self.directory.glob("*.json")):
+                try:
+                    record = json.loads(entry.read_text(encoding="utf-8"))
+                    self._known[record["id"]] = record["resolution"]
+                except (OSError, ValueError, KeyError) as exc:
+                    raise PatchError(f"unreadable recorded resolution {entry}: {exc}") from exc
+
+    def get(self, conflict: Conflict) -> Optional[str]:
+        return self._known.get(conflict.ident)
+
+    def record(self, patch: str, conflict: Conflict, resolution: str) -> bool:
+        """Keep a resolution (on disk when there is a directory); False when it was known already."""
+        if self._known.get(conflict.ident) == resolution:
+            return False
+        self._known[conflict.ident] = resolution
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            record = {"id": conflict.ident, "patch": patch, "path": conflict.path,
+                      "ours": conflict.ours, "theirs": conflict.theirs, "resolution": resolution}
+            (self.directory / f"{conflict.ident}.json").write_text(
+                json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        return True
+
+
+def resolve_text(path: str, text: str, resolutions: Resolutions) -> Tuple[str, List[Conflict]]:
+    """``text`` with every conflict that has a recorded resolution replaced by it; the conflicts
+    (resolved or not), in order."""
+    lines = text.splitlines(keepends=True)
+    out: List[str] = []
+    conflicts = []
+    position = 0
+    for start, end, conflict in parse_conflicts(path, text):
+        out.extend(lines[position:start])
+        resolution = resolutions.get(conflict)
+        if resolution is None:
+            out.extend(lines[start:end])
+            conflicts.append(conflict)
+        else:
+            out.append(resolution)
+            conflicts.append(Conflict(conflict.path, conflict.line, conflict.ours, conflict.theirs, True))
+        position = end
+    out.extend(lines[position:])
+    return "".join(out), conflicts
+
+
+# --------------------------------------------------------------------------
+# the scratch repository
+
+
+def _patch_body(patch_file: Path) -> bytes:
+    """A patch without its mail header: what "the same change" compares."""
+    data = patch_file.read_bytes()
+    at = data.find(b"\ndiff --git ")
+    return data[at:] if at >= 0 else data
+
+
+class Scratch:
+    """A git repository of the files a series touches, where patches are replayed."""
+
+    def __init__(self, touched: Sequence[str]):
+        self.touched = sorted(set(touched))
+        self._temp = tempfile.TemporaryDirectory(prefix="pyllama-headinfer-retarget-")
+        self.root = Path(self._temp.name) / "repo"
+        self.root.mkdir()
+        self.git("init", "-q")
+
+    def __enter__(self) -> "Scratch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._temp.cleanup()
+
+    def git(self, *args: str, check: bool = True):
+        result = run_git([*_GIT, *args], self.root)
+        if check and result.returncode != 0:
+            raise PatchError(f"git {args[0]} failed in {self.root}: {(result.stderr or result.stdout).strip()}")
+        return result
+
+    def head(self) -> str:
+        return self.git("rev-parse", "HEAD").stdout.strip()
+
+    def tree_id(self) -> str:
+        return self.git("rev-parse", "HEAD^{tree}").stdout.strip()
+
+    def commit_files(self, tree: Path, message: str) -> str:
+        """Make the touched files those of ``tree`` (absent ones deleted) and commit."""
+        for relative in self.touched:
+            source, target = tree / relative, self.root / relative
+            if target.exists() or target.is_symlink():
+                target.unlink()
+            if source.is_file() or source.is_symlink():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, target, follow_symlinks=False)
+        self.git("add", "-A")
+        self.git("commit", "-q", "--allow-empty", "-m", message)
+        return self.head()
+
+    def apply_check(self, patch: Path, reverse: bool = False) -> bool:
+        args = ["apply", "--check", "--whitespace=nowarn"] + (["--reverse"] if reverse else []) + [str(patch)]
+        return self.git(*args, check=False).returncode == 0
+
+    def am(self, patch: Path, three_way: bool = False) -> bool:
+        """``git am`` one patch; False (and the merge left in the work tree) when it conflicts."""
+        args = ["am", "-q", "--whitespace=nowarn", "--committer-date-is-author-date"]
+        if three_way:
+            args.append("-3")
+        return self.git(*args, str(patch), check=False).returncode == 0
+
+    def unmerged(self) -> List[str]:
+        out = self.git("diff", "--name-only", "--diff-filter=U").stdout
+        return sorted(set(out.split()))
+
+    def read(self, relative: str) -> str:
+        return (self.root / relative).read_text(encoding="utf-8", errors="surrogateescape")
+
+    def write(self, relative: str, text: str) -> None:
+        (self.root / relative).write_text(text, encoding="utf-8", errors="surrogateescape")
+
+    def finish_am(self) -> None:
+        """Commit the merge in progress as it stands (markers included)."""
+        self.git("add", "-A")
+        self.git("-c", "core.editor=true", "am", "--continue")
+
+    def abort_am(self) -> None:
+        self.git("am", "--abort", check=False)
+
+    def checkout(self, commit: str) -> None:
+        self.git("checkout", "-q", "--detach", commit)
+
+
+# --------------------------------------------------------------------------
+# re-targeting
+
+
+def _source_label(series: Series) -> str:
+    return f"llama.cpp {pin.active().build}"
+
+
+def _replay(scratch: Scratch, source: Series, resolutions: Resolutions,
+            memo: Dict[Tuple[bytes, str], Path]) -> List[PatchResult]:
+    """Each patch of ``source`` onto the scratch repository's HEAD, committed; the verdicts."""
+    results = []
+    for patch in source.patches:
+        key = (hashlib.sha256(_patch_body(patch.path)).digest(), scratch.tree_id())
+        if scratch.apply_check(patch.path):
+            scratch.am(patch.path)
+            results.append(PatchResult(patch.name, Verdict.CLEAN))
+            continue
+        if scratch.apply_check(patch.path, reverse=True):
+            results.append(PatchResult(patch.name, Verdict.UPSTREAM))
+            continue
+        earlier = memo.get(key)
+        if earlier is not None and scratch.am(earlier):
+            results.append(PatchResult(patch.name, Verdict.REPLAYED, note="resolved by hand before"))
+            continue
+        scratch.abort_am()
+        if scratch.am(patch.path, three_way=True):
+            results.append(PatchResult(patch.name, Verdict.MERGED))
+            continue
+        files = scratch.unmerged()
+        if not files:
+            scratch.abort_am()
+            raise PatchError(f"git am -3 could not apply {patch.name} and left no conflict to resolve")
+        conflicts: List[Conflict] = []
+        for relative in files:
+            text, found = resolve_text(relative, scratch.read(relative), resolutions)
+            scratch.write(relative, text)
+            conflicts.extend(found)
+        scratch.finish_am()
+        left = [c for c in conflicts if not c.resolved]
+        verdict = Verdict.CONFLICT if left else Verdict.RESOLVED
+        note = (f"{len(left)} of {len(conflicts)} conflict(s) left with markers in "
+                f"{', '.join(sorted({c.path for c in left}))}") if left else ""
+        results.append(PatchResult(patch.name, verdict, tuple(conflicts), note))
+    return results
+
+
+def _learn(scratch: Scratch, upstream: str, source: Series, resolved: Series,
+           resolutions: Resolutions) -> Tuple[int, Dict[Tuple[bytes, str], Path]]:
+    """Replay the hand-resolved series ``resolved`` onto ``upstream`` next to ``source``: record the
+    resolution of every conflict the source patches meet on the way, and remember each resolved
+    patch by (source patch text, state it starts from). Stops at the first resolved patch that
+    does not apply or still has markers."""
+    learned = 0
+    memo: Dict[Tuple[bytes, str], Path] = {}
+    scratch.checkout(upstream)
+    for src, done in zip(source.patches, resolved.patches):
+        if src.name != done.name:
+            log.info("learning stops at %s: the resolved series has %s there", src.name, done.name)
+            break
+        if has_markers(done.path.read_text(encoding="utf-8", errors="surrogateescape")):
+            log.info("learning stops at %s: it still has conflict markers", done.name)
+            break
+        state = scratch.head()
+        memo[(hashlib.sha256(_patch_body(src.path)).digest(), scratch.tree_id())] = done.path
+        merged: Dict[str, str] = {}
+        if not scratch.apply_check(src.path) and not scratch.am(src.path, three_way=True):
+            merged = {relative: scratch.read(relative) for relative in scratch.unmerged()}
+        scratch.abort_am()
+        scratch.checkout(state)
+        if not scratch.am(done.path):
+            scratch.abort_am()
+            log.info("learning stops at %s: the resolved patch does not apply", done.name)
+            break
+        for relative, text in merged.items():
+            target = scratch.read(relative) if (scratch.root / relative).exists() else ""
+            for conflict, resolution in learn_from(relative, text, target):
+                learned += resolutions.record(done.name, conflict, resolution)
+    return learned, memo
+
+
+def _prepare(scratch: Scratch, pin_tree: Path, source: Series, tree: Path) -> str:
+    """Commit the pin, the series on a side branch, and the tree on top of the pin; HEAD at the tree."""
+    base = scratch.commit_files(pin_tree, "pin")
+    scratch.git("checkout", "-q", "-b", "series")
+    for patch in source.patches:
+        if not scratch.am(patch.path):
+            scratch.abort_am()
+            raise PatchError(f"{patch.name} does not apply to the pin it was made for: run `patch check`")
+    scratch.checkout(base)
+    return scratch.commit_files(tree, "upstream")
+
+
+def retarget(tree: Path, pin_tree: Path, source_dir: Optional[Path] = None,
+             out: Optional[Path] = None) -> Tuple[RetargetReport, Optional[Scratch]]:
+    """Replay the series of ``source_dir`` (made for the pin whose pristine tree is ``pin_tree``)
+    onto ``tree``. With ``out``: learn from the series already there, use and keep its recorded
+    resolutions, and return the scratch repository (the caller exports it and cleans it up)."""
+    source = load_series(source_dir)
+    if not source.patches:
+        raise PatchError(f"the series in {source.directory} is empty")
+    resolutions = Resolutions(out)
+    scratch = Scratch(source.touched)
+    try:
+        upstream = _prepare(scratch, pin_tree, source, tree)
+        learned, memo = 0, {}
+        if out is not None and (out / "series").is_file():
+            learned, memo = _learn(scratch, upstream, source, load_series(out), resolutions)
+            scratch.checkout(upstream)
+        report = RetargetReport(tree, _source_label(source), learned=learned, out=out)
+        report.patches = _replay(scratch, source, resolutions, memo)
+        report.upstream = upstream  # type: ignore[attr-defined]
+    except BaseException:
+        scratch.__exit__(None, None, None)
+        raise
+    if out is None:
+        scratch.__exit__(None, None, None)
+        return report, None
+    return report, scratch
+
+
+def drift(tree: Path, pin_tree: Path, source_dir: Optional[Path] = None) -> RetargetReport:
+    """The 3-way drift report of the series onto ``tree`` (read-only)."""
+    return retarget(tree, pin_tree, source_dir)[0]
+
+
+@contextlib.contextmanager
+def pristine_pin_files(series: Series, extra: Sequence[str] = ()) -> Iterator[Path]:
+    """A directory with the files ``series`` touches (and ``extra``) as the active pin has them:
+    taken from the cached (or given) pin tree, with ``series`` undone when the tree carries it,
+    and checked against the pin."""
+    from pyllama_headinfer.patches.status import State, status, tree_acceptance
+    from pyllama_headinfer.source.fetch import ensure_source
+    from pyllama_headinfer.source.tree_verify import scan_tree
+
+    tree = ensure_source(accept=tree_acceptance)
+    state = status(tree, series.directory)
+    files = set(series.touched) | set(extra)
+    with Workspace(files) as work:
+        work.load(tree)
+        if state.state == State.APPLIED and state.applied:
+            result = work.apply(reversed_prefix(series, state.applied), reverse=True)
+            if result.returncode != 0:
+                raise PatchError(f"could not undo the series in a copy of {tree}: {result.stderr.strip()}")
+        expected = restrict_listing(pin.active().files(), files)
+        if restrict_listing(scan_tree(work.root, use_cache=False), files) != expected:
+            raise PatchError(f"the files the series touches in {tree} are not the pin's; "
+                             "run `pyllama-headinfer source fetch --force`")
+        yield work.root
+
+
+def is_other_tree(tree: Path, series: Series) -> bool:
+    """Whether ``tree`` is another llama.cpp than the active pin: files the series does not touch
+    differ from the pin's (a hand-edited or half-patched pin tree differs only in files it touches)."""
+    from pyllama_headinfer.source.tree_verify import compare_listings, scan_tree
+
+    touched = set(series.touched)
+    keep = lambda listing: {p: v for p, v in listing.items() if p not in touched}  # noqa: E731
+    return not compare_listings(keep(scan_tree(tree)), keep(pin.active().files())).ok
+
+
+@contextlib.contextmanager
+def pristine_files_of_pin(chosen: pin.Pin, files: Sequence[str]) -> Iterator[Path]:
+    """The given files of another pin's pristine tree (its cached tree, its series undone)."""
+    from pyllama_headinfer import paths
+
+    before = os.environ.get(pin.PIN_ENV)
+    os.environ[pin.PIN_ENV] = chosen.build
+    try:
+        context = pristine_pin_files(load_series(paths.patches_dir(chosen)), extra=files)
+        directory = context.__enter__()
+    finally:
+        if before is None:
+            os.environ.pop(pin.PIN_ENV, None)
+        else:
+            os.environ[pin.PIN_ENV] = before
+    try:
+        yield directory
+    finally:
+        context.__exit__(None, None, None)
+
+
+def rebase(tree: Path, out: Path, source_dir: Optional[Path] = None, *, target: str) -> RetargetReport:
+    """Write the series re-targeted onto ``tree`` into ``out`` (``series``, the patch files, and
+    ``resolutions/``): clean, merged and resolved patches rewritten, conflicting ones with their
+    markers (see the module docstring). ``target`` names the tree in the series header."""
+    from pyllama_headinfer.patches.export import export
+
+    source = load_series(source_dir)
+    out = Path(out).resolve()
+    if source.directory.resolve() == out:
+        raise PatchError(f"--out {out} is the source series itself; re-target into another directory")
+    with pristine_pin_files(source) as pin_files:
+        report, scratch = retarget(tree, pin_files, source.directory, out)
+    assert scratch is not None
+    with scratch:
+        export(scratch.root, out, base=report.upstream, target=target)  # type: ignore[attr-defined]
+    return report

@@ -1,0 +1,221 @@
+"""Re-targeting the series to another llama.cpp tree: the 3-way drift report of ``patch check``
+and ``patch rebase --onto`` with recorded resolutions (issue 27).
+
+On the fake pin (conftest: a tiny repository and two patches), with an "upstream" tree that moved:
+a conflict is reported with its file and the upstream code; rebase leaves it with markers; a
+human's resolution, exported into the output, is learned and replayed whole; with only the
+recorded resolutions left, the conflict is resolved again to the same result. The real trees
+(b11549) are covered by tests/test_second_pin.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import REAL_CACHE, git
+from pyllama_headinfer import paths
+from pyllama_headinfer.cli.main import main
+from pyllama_headinfer.patches.retarget import Conflict, learn_from, parse_conflicts, resolve_text, Resolutions
+from pyllama_headinfer.source import fetch
+
+pytestmark = pytest.mark.usefixtures("isolated_cache")
+
+RESOLVED_LINE = "int core_03 = 3300; /* upstream's value, split */\n"
+
+
+@pytest.fixture
+def upstream(fake_pin, tmp_path, monkeypatch) -> Path:
+    """A newer "upstream": line 3 of src/core.c changed where patch 1 changes it too, a new file
+    elsewhere; the pristine fake pin is the source tree (``$PYLLAMA_HEADINFER_LLAMA_SRC``)."""
+    monkeypatch.setenv(fetch.LLAMA_SRC_ENV, str(fake_pin.fresh_tree(tmp_path / "pin")))
+    tree = fake_pin.fresh_tree(tmp_path / "upstream")
+    core = tree / "src" / "core.c"
+    core.write_text(core.read_text().replace("int core_03 = 3;\n", "int core_03 = 33; /* upstream */\n"))
+    (tree / "src" / "new_arch.c").write_text("int new_arch = 1;\n")
+    return tree
+
+
+def _run(capsys, *argv: str):
+    code = main(list(argv))
+    out = capsys.readouterr().out
+    return code, out
+
+
+def _patch_body(path: Path) -> str:
+    text = path.read_text()
+    return text[text.index("\ndiff --git "):]
+
+
+def _resolve_by_hand(upstream: Path, out: Path, tmp_path: Path) -> str:
+    """What a maintainer does: a git checkout of the tree, the re-targeted patches applied with
+    their markers, the conflict edited, the series exported back into ``out``."""
+    repo = tmp_path / "checkout"
+    shutil.copytree(upstream, repo)
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "upstream")
+    base = git(repo, "rev-parse", "HEAD").decode().strip()
+    names = [n for n in (out / "series").read_text().split() if n.endswith(".patch")]
+    git(repo, "am", "-q", str(out / names[0]))
+    core = repo / "src" / "core.c"
+    core.write_text(re.sub(r"<<<<<<< [^\n]*\n.*?>>>>>>> [^\n]*\n", RESOLVED_LINE, core.read_text(), flags=re.S))
+    git(repo, "commit", "-qa", "--amend", "--no-edit")
+    git(repo, "am", "-q", "-3", str(out / names[1]))
+    assert main(["patch", "export", "--llama-src", str(repo), "--patches-dir", str(out), "--base", base]) == 0
+    return base
+
+
+def test_check_on_another_tree_is_a_3way_drift_report(upstream, capsys):
+    code, out = _run(capsys, "patch", "check", "--llama-src", str(upstream))
+    assert code == 1, out
+    assert "MODIFIED" not in out  # a newer tree is not a "modified pin"
+    assert re.search(r"0001-core-split-heads.patch: CONFLICT", out), out
+    assert re.search(r"0002-docs-describe.patch: (clean|merged)", out), out
+    assert "src/core.c:" in out and "| int core_03 = 33; /* upstream */" in out, out
+    assert "2 patches: " in out
+
+
+def test_check_reports_a_patch_already_upstream(fake_pin, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(fetch.LLAMA_SRC_ENV, str(fake_pin.fresh_tree(tmp_path / "pin")))
+    tree = fake_pin.fresh_tree(tmp_path / "upstream")
+    assert main(["patch", "apply", "--llama-src", str(tree)]) == 0  # upstream took both changes
+    capsys.readouterr()
+    (tree / "src" / "new_arch.c").write_text("int new_arch = 1;\n")
+    code, out = _run(capsys, "patch", "check", "--llama-src", str(tree))
+    assert code == 0, out
+    assert len(re.findall(r"\.patch: already upstream$", out, flags=re.M)) == 2, out
+
+
+def test_rebase_leaves_markers_then_learns_and_replays_the_resolution(upstream, tmp_path, capsys, fake_pin):
+    out_dir = tmp_path / "retargeted"
+    code, out = _run(capsys, "patch", "rebase", "--onto", str(upstream), "--out", str(out_dir))
+    assert code == 1 and "1 CONFLICT" in out, out
+    first = out_dir / "0001-core-split-heads.patch"
+    assert "+<<<<<<< " in first.read_text() and "+>>>>>>> " in first.read_text()
+    assert "to do: resolve the conflict markers in 0001-core-split-heads.patch" in out
+
+    _resolve_by_hand(upstream, out_dir, tmp_path)
+    resolved_patch = _patch_body(first)
+    assert "<<<<<<<" not in resolved_patch and RESOLVED_LINE.strip() in resolved_patch
+
+    # second run: the human's patch is replayed whole, its resolution recorded next to the series
+    code, out = _run(capsys, "patch", "rebase", "--onto", str(upstream), "--out", str(out_dir))
+    assert code == 0, out
+    assert "0001-core-split-heads.patch: replayed" in out
+    assert "learned 1 resolution(s)" in out
+    assert _patch_body(first) == resolved_patch
+    records = list((out_dir / "resolutions").glob("*.json"))
+    assert len(records) == 1
+    record = json.loads(records[0].read_text())
+    assert record["patch"] == first.name and record["path"] == "src/core.c"
+    assert record["resolution"] == RESOLVED_LINE
+
+    # only the recorded resolutions left (a changed source patch, say): the conflict is resolved
+    # from the record, to the same patch
+    for entry in out_dir.iterdir():
+        if entry.is_file():
+            entry.unlink()
+    code, out = _run(capsys, "patch", "rebase", "--onto", str(upstream), "--out", str(out_dir))
+    assert code == 0, out
+    assert "0001-core-split-heads.patch: resolved" in out and "resolved from record" in out
+    assert _patch_body(first) == resolved_patch
+
+
+def test_rebase_refuses_its_own_source_as_output(upstream, fake_pin, capsys):
+    code = main(["patch", "rebase", "--onto", str(upstream), "--out", str(fake_pin.patches)])
+    assert code == 1
+    assert "is the source series itself" in capsys.readouterr().err
+
+
+def test_rebase_onto_a_directory_needs_out(upstream, capsys):
+    assert main(["patch", "rebase", "--onto", str(upstream)]) == 2
+    assert "--out is needed" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# conflicts and resolutions, without git
+
+
+MERGED = ("a\nb\n<<<<<<< HEAD\nours 1\n=======\ntheirs 1\n>>>>>>> patch\nc\nd\n"
+          "<<<<<<< HEAD\n=======\ntheirs 2\n>>>>>>> patch\ne\n")
+
+
+def test_parse_conflicts_finds_each_block_and_its_sides():
+    blocks = parse_conflicts("f.c", MERGED)
+    assert [(start, end) for start, end, _ in blocks] == [(2, 7), (9, 13)]
+    assert blocks[0][2] == Conflict("f.c", 3, "ours 1\n", "theirs 1\n")
+    assert blocks[1][2].ours == "" and blocks[1][2].theirs == "theirs 2\n"
+
+
+def test_learn_from_pairs_each_conflict_with_its_resolution():
+    resolved = "a\nb\nboth 1\nand more\nc\nd\ntheirs 2\ne\n"
+    learned = learn_from("f.c", MERGED, resolved)
+    assert [(c.ours, text) for c, text in learned] == [("ours 1\n", "both 1\nand more\n"), ("", "theirs 2\n")]
+    # an edit outside the conflicts: nothing is learned from there on, nothing is guessed
+    assert learn_from("f.c", MERGED, "a\nB\nboth\nc\nd\ntheirs 2\ne\n") == []
+
+
+def test_resolve_text_uses_what_is_recorded_and_keeps_the_rest(tmp_path):
+    resolutions = Resolutions(tmp_path)
+    first = parse_conflicts("f.c", MERGED)[0][2]
+    assert resolutions.record("0001-x.patch", first, "both 1\n")
+    assert not resolutions.record("0001-x.patch", first, "both 1\n")  # known already
+    text, conflicts = resolve_text("f.c", MERGED, Resolutions(tmp_path))  # read back from disk
+    assert text.startswith("a\nb\nboth 1\nc\nd\n<<<<<<< HEAD\n")
+    assert [c.resolved for c in conflicts] == [True, False]
+
+
+# --------------------------------------------------------------------------
+# the real trees
+
+
+B11549_VERDICTS = {  # the b11312 series 3-way onto b11549 (docs/PATCHES.md); every other patch: clean
+    "0007": "CONFLICT", "0011": "CONFLICT", "0013": "CONFLICT", "0016": "merged", "0018": "CONFLICT",
+    "0019": "merged",
+}
+
+
+@pytest.fixture
+def real_cache(monkeypatch):
+    """The project's real cache (the pins' trees are fetched once, shared with the build)."""
+    monkeypatch.setenv(paths.CACHE_ENV, str(REAL_CACHE))
+
+
+def _pristine_b11549(tmp_path: Path, capsys) -> Path:
+    """A pristine copy of b11549 (the cached tree carries its series once `build --pin b11549` ran)."""
+    assert main(["--pin", "b11549", "source", "path"]) == 0  # fetched from the xllamacpp sdist, verified
+    cached = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    tree = tmp_path / "b11549"
+    shutil.copytree(cached, tree, symlinks=True)
+    if main(["--pin", "b11549", "source", "verify", "--llama-src", str(tree)]) == 0 and \
+            "pristine" not in capsys.readouterr().out:
+        assert main(["--pin", "b11549", "patch", "revert", "--llama-src", str(tree)]) == 0
+    capsys.readouterr()
+    return tree
+
+
+def test_drift_report_of_the_default_series_on_b11549(capsys, real_cache, tmp_path):
+    """The measured drift (issue 27's table): a change to either tree or the series shows here,
+    which is the maintainer's cue to re-target (`patch rebase --onto b11549`)."""
+    tree = _pristine_b11549(tmp_path, capsys)
+    code, out = _run(capsys, "patch", "check", "--llama-src", str(tree))
+    verdicts = dict(re.findall(r"^(\d{4})-\S+\.patch: (\S+)", out, flags=re.M))
+    assert len(verdicts) == 21, out
+    assert {k: v for k, v in verdicts.items() if v != "clean"} == B11549_VERDICTS, out
+    assert code == 1
+    assert "ggml_backend_sched_copy_input(sched, split, split->inputs[input_id]);" in out  # 0018's drift, shown
+
+
+def test_b11549_series_is_the_recorded_retarget(capsys, tmp_path, real_cache):
+    """patches/b11549 is what `patch rebase --onto b11549` makes from patches/b11312 and the
+    recorded resolutions: every patch replayed or resolved, no conflict left."""
+    out_dir = tmp_path / "b11549"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "patches" / "b11549", out_dir)
+    code, out = _run(capsys, "patch", "rebase", "--onto", "b11549", "--out", str(out_dir))
+    assert code == 0 and "CONFLICT" not in out, out
+    assert re.search(r"21 patches: 15 clean, 6 replayed", out), out
