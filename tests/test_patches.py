@@ -263,6 +263,19 @@ def test_export_reproduces_the_series(fake_pin, tmp_path):
     assert read_series_names(out) == names
 
 
+def test_export_to_a_relative_directory_keeps_the_series(fake_pin, tmp_path, monkeypatch):
+    """A relative --patches-dir is relative to the caller's directory, not to the repository git
+    runs in (it once sent format-patch's output there and emptied the series)."""
+    out = tmp_path / "exported"
+    shutil.copytree(fake_pin.patches, out)
+    monkeypatch.chdir(tmp_path)
+    names = export(fake_pin.repo, "exported")
+    assert names == read_series_names(fake_pin.patches) and len(names) == 2
+    for name in names:
+        assert (out / name).read_bytes() == (fake_pin.patches / name).read_bytes()
+    assert not list(fake_pin.repo.glob("exported*"))
+
+
 def _files(directory: Path) -> dict:
     """name -> (bytes, mtime_ns, inode): a rewritten file changes at least its inode or mtime."""
     return {p.name: (p.read_bytes(), p.stat().st_mtime_ns, p.stat().st_ino) for p in sorted(directory.iterdir())}

@@ -136,7 +136,9 @@ def export(tree: PathLike, patches_dir: Optional[PathLike] = None, *, base: Opti
     """
     repo = tree_root(tree)
     base = _export_base(repo, base, pristine)
-    directory = series_dir(patches_dir)
+    # absolute: git runs in the repository, so a relative staging path would land there (and the series
+    # directory would be emptied)
+    directory = series_dir(patches_dir).resolve()
     _check_export_repo(repo, base)
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory, prefix=".export-") as staging:
