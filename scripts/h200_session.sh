@@ -197,7 +197,7 @@ pin)
     rm -rf "$out/json" "$out/bench.err" "$out/pin.err"
     ;;
 slots)
-    # per-slot streams far from full (4 slots of 32K holding ~8K each): patch 0020 streams the cells in use of each
+    # per-slot streams far from full (4 slots of 32K holding ~8K each): patch 0018 streams the cells in use of each
     # slot, not the cells between them (issue 13.7); per-slot vs unified under the same load, then the 32K decode
     # at f = 0.75 repeated (issue 12's one figure below 95 % of the ceiling). ~3 min.
     { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/slots.err" 2>&1

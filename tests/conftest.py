@@ -67,7 +67,7 @@ def isolated_cache(tmp_path, monkeypatch) -> Path:
     """
     cache = tmp_path / "cache"
     monkeypatch.setenv(paths.CACHE_ENV, str(cache))
-    for variable in (fetch.LLAMA_SRC_ENV, fetch.ARCHIVE_URL_ENV, paths.PATCHES_ENV, pin.PIN_ENV):
+    for variable in (fetch.LLAMA_SRC_ENV, fetch.ARCHIVE_URL_ENV, paths.PATCHES_ENV):
         monkeypatch.delenv(variable, raising=False)
     return cache
 

@@ -410,10 +410,10 @@ def test_load_manifest_without_build(tmp_path):
         read_manifest(tmp_path)
 
 
-def _fake_finished_build(d: Path, mtime: float) -> Path:
+def _fake_finished_build(d: Path, mtime: float, pin_build: str = pin.DEFAULT_PIN) -> Path:
     (d / "bin").mkdir(parents=True)
     (d / "bin" / "libllama.so").write_bytes(b"")
-    write_json(d / "manifest.json", {"format": MANIFEST_FORMAT, "build_dir": str(d),
+    write_json(d / "manifest.json", {"format": MANIFEST_FORMAT, "build_dir": str(d), "pin": {"build": pin_build},
                                      "libraries": {"llama": str(d / "bin" / "libllama.so")}})
     os.utime(d / "manifest.json", (mtime, mtime))
     return d
@@ -428,11 +428,16 @@ def test_the_runtime_says_which_build_it_uses_and_why(tmp_path, monkeypatch, cap
     monkeypatch.setattr(paths, "build_root", lambda: tmp_path)
     monkeypatch.delenv(M.BUILD_DIR_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(pin.PIN_ENV, raising=False)
     older = _fake_finished_build(tmp_path / "cpu", 1_700_000_000)
     newer = _fake_finished_build(tmp_path / "noamx", 1_700_000_100)
+    other_pin = _fake_finished_build(tmp_path / "cpu-b11549", 1_700_000_200, "b11549")  # newest, another pin
     caplog.set_level(logging.INFO, logger="pyllama_headinfer.runtime")
     M.announce(find_manifest())
     assert caplog.messages == ["using noamx (most recently finished; set PYLLAMA_HEADINFER_BUILD_DIR to choose)"]
+    monkeypatch.setenv(pin.PIN_ENV, "b11549")  # the newest build of the active pin
+    assert find_manifest().build_dir == other_pin
+    monkeypatch.delenv(pin.PIN_ENV)
     monkeypatch.setenv(M.BUILD_DIR_ENV, str(older))
     assert M.describe_choice(find_manifest()) == "using cpu (from $PYLLAMA_HEADINFER_BUILD_DIR)"
     monkeypatch.chdir(ROOT)  # a build outside the current directory: its whole path

@@ -218,7 +218,7 @@ for _, text in log:
 def test_streamed_host_heads_skip_the_cells_between_kv_streams(rpc_build, gguf_models):
     """With one KV stream per sequence and a ubatch over two streams, a split layer's host heads are read as a view of
     the first n_kv cells of both; the scheduler streams those cells of each stream, not the rest of the first stream
-    that lies between them in host memory (patch 0020; the exactness with stale bytes in between is gpu_check's
+    that lies between them in host memory (patch 0018; the exactness with stale bytes in between is gpu_check's
     streams scenario, test_layer_split_over_two_devices_is_bit_exact)."""
     env = rpc_env(rpc_build)
     env.update(GGML_SCHED_STREAM="1", GGML_SCHED_DEBUG="1", LLAMA_HEADINFER_ATTN="joined")

@@ -9,7 +9,7 @@ logits, bit for bit.
 Which matrix path ran is read from llama.cpp's log ("AMX model buffer size" when
 the AMX buffer type took the weights) and printed; on a CPU with AMX and a build
 for it (GGML_NATIVE on such a CPU), the AMX path must have run -- that is the
-path that crashed before patch 0021.  Each model runs in a subprocess, so a crash
+path that crashed before patch 0020.  Each model runs in a subprocess, so a crash
 in the C code fails this test alone, with the signal in the message.
 """
 

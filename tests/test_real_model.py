@@ -5,7 +5,7 @@ still generate sensible text, through the API, ``generate`` and ``serve``.
 
 Its Q4_K/Q6_K weights reach the CPU's quantized kernels, which the synthetic
 F16/F32 models never do: on an Intel Xeon with AMX a GGML_NATIVE build runs
-them through the AMX buffer type (which crashed before patch 0021); the tests
+them through the AMX buffer type (which crashed before patch 0020); the tests
 print which path ran.
 
 Part of the default run: a ~240 MB download on first use (cached), then

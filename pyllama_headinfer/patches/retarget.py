@@ -48,6 +48,7 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from enum import Enum
@@ -62,6 +63,7 @@ from pyllama_headinfer.patches.workspace import Workspace, restrict_listing, rev
 log = logging.getLogger("pyllama_headinfer.patches")
 
 RESOLUTIONS_DIR = "resolutions"
+SOURCES_FILE = "sources.json"  # in RESOLUTIONS_DIR: which source patch each output patch was made from
 SHOWN_LINES = 6  # lines of upstream code shown per conflict in a report
 
 # identity and settings for the scratch repository (never the user's configuration: run_git)
@@ -219,18 +221,41 @@ def learn_from(path: str, merged: str, resolved: str) -> List[Tuple[Conflict, st
 
 
 class Resolutions:
-    """The recorded resolutions of a target series: ``<dir>/resolutions/<conflict id>.json``."""
+    """The recorded resolutions of a target series: ``<dir>/resolutions/<conflict id>.json``, and
+    ``sources.json``: for each patch of the target series, the digest of the source patch it was
+    re-targeted from (a hand-resolved patch teaches something only about that source patch)."""
 
     def __init__(self, series_dir: Optional[Path]):
         self.directory = series_dir / RESOLUTIONS_DIR if series_dir is not None else None
         self._known: Dict[str, str] = {}
+        self.sources: Dict[str, object] = {}
+        if self.directory is not None and (self.directory / SOURCES_FILE).is_file():
+            try:
+                self.sources = json.loads((self.directory / SOURCES_FILE).read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise PatchError(f"unreadable {self.directory / SOURCES_FILE}: {exc}") from exc
         if self.directory is not None and self.directory.is_dir():
-            for entry in sorted(self.directory.glob("*.json")):
+            for entry in sorted(p for p in self.directory.glob("*.json") if p.name != SOURCES_FILE):
                 try:
                     record = json.loads(entry.read_text(encoding="utf-8"))
                     self._known[record["id"]] = record["resolution"]
                 except (OSError, ValueError, KeyError) as exc:
                     raise PatchError(f"unreadable recorded resolution {entry}: {exc}") from exc
+
+    def source_of(self, name: str) -> Dict[str, str]:
+        """{"patch": digest of the source patch's diff, "message": digest of its message} that the
+        output patch ``name`` was made from ({} when not recorded)."""
+        entry = self.sources.get(name)
+        if isinstance(entry, str):  # a record from before messages were kept
+            return {"patch": entry}
+        return dict(entry or {})
+
+    def save_sources(self, sources: Dict[str, Dict[str, str]]) -> None:
+        self.sources = dict(sources)
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            (self.directory / SOURCES_FILE).write_text(json.dumps(self.sources, indent=1, sort_keys=True) + "\n",
+                                                       encoding="utf-8")
 
     def get(self, conflict: Conflict) -> Optional[str]:
         return self._known.get(conflict.ident)
@@ -281,6 +306,10 @@ def _patch_body(patch_file: Path) -> bytes:
     return data[at:] if at >= 0 else data
 
 
+def patch_digest(patch_file: Path) -> str:
+    return hashlib.sha256(_patch_body(patch_file)).hexdigest()
+
+
 class Scratch:
     """A git repository of the files a series touches, where patches are replayed."""
 
@@ -322,6 +351,25 @@ class Scratch:
         self.git("commit", "-q", "--allow-empty", "-m", message)
         return self.head()
 
+    def message(self, patch: Path) -> str:
+        """The commit message of a patch file (subject, blank line, body), as ``git am`` makes it."""
+        info = self.root.parent / "mailinfo"
+        with open(patch, "rb") as handle:
+            result = subprocess.run(["git", "mailinfo", str(info) + ".msg", str(info) + ".patch"], stdin=handle,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=self.root)
+        if result.returncode != 0:
+            raise PatchError(f"cannot read the message of {patch.name}: {result.stderr.decode(errors='replace').strip()}")
+        subject = next((line[len("Subject: "):] for line in result.stdout.decode(errors="replace").splitlines()
+                        if line.startswith("Subject: ")), "")
+        body = Path(str(info) + ".msg").read_text(encoding="utf-8", errors="replace").strip()
+        return subject + ("\n\n" + body if body else "") + "\n"
+
+    def reword(self, message: str) -> None:
+        """Give HEAD this commit message (author and date kept)."""
+        path = self.root.parent / "message"
+        path.write_text(message, encoding="utf-8")
+        self.git("commit", "-q", "--amend", "--allow-empty", "-F", str(path))
+
     def apply_check(self, patch: Path, reverse: bool = False) -> bool:
         args = ["apply", "--check", "--whitespace=nowarn"] + (["--reverse"] if reverse else []) + [str(patch)]
         return self.git(*args, check=False).returncode == 0
@@ -359,16 +407,51 @@ class Scratch:
 # re-targeting
 
 
+@dataclass(frozen=True)
+class _Earlier:
+    """A hand-resolved patch of the output series, for the same source patch and starting state."""
+
+    path: Path
+    message_edited: bool  # its message is not the source's message it was made from
+    source_message: Optional[str]  # digest of that source message (None: not recorded)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+
+
 def _source_label(series: Series) -> str:
     return f"llama.cpp {pin.active().build}"
 
 
+def _replay_earlier(scratch: Scratch, patch: Patch, earlier: _Earlier) -> Optional[PatchResult]:
+    """Apply the hand-resolved patch again; its message is the source's current one unless a human
+    edited it (then theirs is kept, flagged when the source's message changed since)."""
+    if not scratch.am(earlier.path):
+        scratch.abort_am()
+        return None
+    message = scratch.message(patch.path)
+    note = "resolved by hand before"
+    if not earlier.message_edited:
+        scratch.reword(message)
+    elif earlier.source_message is not None and earlier.source_message != _digest(message):
+        note += "; its message was edited by hand, and the source's message changed since: review it"
+    else:
+        note += "; its message edited by hand"
+    return PatchResult(patch.name, Verdict.REPLAYED, note=note)
+
+
 def _replay(scratch: Scratch, source: Series, resolutions: Resolutions,
-            memo: Dict[Tuple[bytes, str], Path]) -> List[PatchResult]:
+            memo: Dict[Tuple[bytes, str], _Earlier]) -> List[PatchResult]:
     """Each patch of ``source`` onto the scratch repository's HEAD, committed; the verdicts."""
     results = []
     for patch in source.patches:
-        key = (hashlib.sha256(_patch_body(patch.path)).digest(), scratch.tree_id())
+        earlier = memo.get((hashlib.sha256(_patch_body(patch.path)).digest(), scratch.tree_id()))
+        if earlier is not None and earlier.message_edited:  # even a clean patch keeps a human's message
+            result = _replay_earlier(scratch, patch, earlier)
+            if result is not None:
+                results.append(result)
+                continue
         if scratch.apply_check(patch.path):
             scratch.am(patch.path)
             results.append(PatchResult(patch.name, Verdict.CLEAN))
@@ -376,11 +459,10 @@ def _replay(scratch: Scratch, source: Series, resolutions: Resolutions,
         if scratch.apply_check(patch.path, reverse=True):
             results.append(PatchResult(patch.name, Verdict.UPSTREAM))
             continue
-        earlier = memo.get(key)
-        if earlier is not None and scratch.am(earlier):
-            results.append(PatchResult(patch.name, Verdict.REPLAYED, note="resolved by hand before"))
+        result = _replay_earlier(scratch, patch, earlier) if earlier is not None else None
+        if result is not None:
+            results.append(result)
             continue
-        scratch.abort_am()
         if scratch.am(patch.path, three_way=True):
             results.append(PatchResult(patch.name, Verdict.MERGED))
             continue
@@ -403,13 +485,13 @@ def _replay(scratch: Scratch, source: Series, resolutions: Resolutions,
 
 
 def _learn(scratch: Scratch, upstream: str, source: Series, resolved: Series,
-           resolutions: Resolutions) -> Tuple[int, Dict[Tuple[bytes, str], Path]]:
+           resolutions: Resolutions) -> Tuple[int, Dict[Tuple[bytes, str], _Earlier]]:
     """Replay the hand-resolved series ``resolved`` onto ``upstream`` next to ``source``: record the
     resolution of every conflict the source patches meet on the way, and remember each resolved
     patch by (source patch text, state it starts from). Stops at the first resolved patch that
     does not apply or still has markers."""
     learned = 0
-    memo: Dict[Tuple[bytes, str], Path] = {}
+    memo: Dict[Tuple[bytes, str], _Earlier] = {}
     scratch.checkout(upstream)
     for src, done in zip(source.patches, resolved.patches):
         if src.name != done.name:
@@ -419,11 +501,17 @@ def _learn(scratch: Scratch, upstream: str, source: Series, resolved: Series,
             log.info("learning stops at %s: it still has conflict markers", done.name)
             break
         state = scratch.head()
-        memo[(hashlib.sha256(_patch_body(src.path)).digest(), scratch.tree_id())] = done.path
+        # the resolved patch answers the source patch it was made from, which may have changed since
+        recorded = resolutions.source_of(done.name)
+        same_source = recorded.get("patch") == patch_digest(src.path)
         merged: Dict[str, str] = {}
-        if not scratch.apply_check(src.path) and not scratch.am(src.path, three_way=True):
-            merged = {relative: scratch.read(relative) for relative in scratch.unmerged()}
-        scratch.abort_am()
+        if same_source:
+            message = recorded.get("message")
+            edited = message is None or _digest(scratch.message(done.path)) != message
+            memo[(hashlib.sha256(_patch_body(src.path)).digest(), scratch.tree_id())] = _Earlier(done.path, edited, message)
+            if not scratch.apply_check(src.path) and not scratch.am(src.path, three_way=True):
+                merged = {relative: scratch.read(relative) for relative in scratch.unmerged()}
+            scratch.abort_am()
         scratch.checkout(state)
         if not scratch.am(done.path):
             scratch.abort_am()
@@ -484,25 +572,27 @@ def drift(tree: Path, pin_tree: Path, source_dir: Optional[Path] = None) -> Reta
 @contextlib.contextmanager
 def pristine_pin_files(series: Series, extra: Sequence[str] = ()) -> Iterator[Path]:
     """A directory with the files ``series`` touches (and ``extra``) as the active pin has them:
-    taken from the cached (or given) pin tree, with ``series`` undone when the tree carries it,
-    and checked against the pin."""
-    from pyllama_headinfer.patches.status import State, status, tree_acceptance
-    from pyllama_headinfer.source.fetch import ensure_source
+    from the cached (or given) pin tree, with ``series`` undone when the tree carries it; else
+    (the tree carries another series, or was edited) from the pin's archive. Checked against the pin."""
+    from pyllama_headinfer.patches.status import State, status
+    from pyllama_headinfer.source.fetch import extract_pin_files, locate_tree
     from pyllama_headinfer.source.tree_verify import scan_tree
 
-    tree = ensure_source(accept=tree_acceptance)
+    tree = locate_tree()
     state = status(tree, series.directory)
     files = set(series.touched) | set(extra)
+    expected = restrict_listing(pin.active().files(), files)
     with Workspace(files) as work:
-        work.load(tree)
-        if state.state == State.APPLIED and state.applied:
-            result = work.apply(reversed_prefix(series, state.applied), reverse=True)
-            if result.returncode != 0:
-                raise PatchError(f"could not undo the series in a copy of {tree}: {result.stderr.strip()}")
-        expected = restrict_listing(pin.active().files(), files)
-        if restrict_listing(scan_tree(work.root, use_cache=False), files) != expected:
-            raise PatchError(f"the files the series touches in {tree} are not the pin's; "
-                             "run `pyllama-headinfer source fetch --force`")
+        if state.state in (State.PRISTINE, State.APPLIED):
+            work.load(tree)
+            if state.state == State.APPLIED and state.applied:
+                result = work.apply(reversed_prefix(series, state.applied), reverse=True)
+                if result.returncode != 0:
+                    raise PatchError(f"could not undo the series in a copy of {tree}: {result.stderr.strip()}")
+        if state.state not in (State.PRISTINE, State.APPLIED) or \
+                restrict_listing(scan_tree(work.root, use_cache=False), files) != expected:
+            log.info("%s is %s: taking the pin's files from its archive", tree, state.state.value)
+            extract_pin_files(sorted(files), work.root)
         yield work.root
 
 
@@ -551,5 +641,9 @@ def rebase(tree: Path, out: Path, source_dir: Optional[Path] = None, *, target: 
         report, scratch = retarget(tree, pin_files, source.directory, out)
     assert scratch is not None
     with scratch:
-        export(scratch.root, out, base=report.upstream, target=target)  # type: ignore[attr-defined]
+        names = export(scratch.root, out, base=report.upstream, target=target)  # type: ignore[attr-defined]
+        if len(names) == len(source.patches) - report.count(Verdict.UPSTREAM):
+            kept = [p for p, r in zip(source.patches, report.patches) if r.verdict != Verdict.UPSTREAM]
+            Resolutions(out).save_sources({name: {"patch": patch_digest(p.path), "message": _digest(scratch.message(p.path))}
+                                           for name, p in zip(names, kept)})
     return report

@@ -13,7 +13,7 @@ import os
 import posixpath
 import tarfile
 from pathlib import Path
-from typing import Optional, Sequence, Tuple, Union
+from typing import Collection, Optional, Sequence, Tuple, Union
 
 from pyllama_headinfer.errors import SourceError
 
@@ -50,7 +50,7 @@ def _check_member(member: tarfile.TarInfo, relative: str) -> None:
 
 
 def extract_subtree(archive: PathLike, destination: PathLike, subdir: str = "",
-                    exclude: Sequence[str] = ()) -> int:
+                    exclude: Sequence[str] = (), only: Optional[Collection[str]] = None) -> int:
     """Extract ``<top>/<subdir>/...`` of a tar archive into ``destination``.
 
     Every member must sit under one common top-level directory (GitHub archives
@@ -61,7 +61,8 @@ def extract_subtree(archive: PathLike, destination: PathLike, subdir: str = "",
     pointing outside the subtree, which would break git commands run inside.
     Members under a directory named in ``exclude`` (relative to the subtree,
     e.g. ``"vendor"`` for the Python layer of the sdist) are checked like the
-    others but not extracted. Returns the number of members extracted.
+    others but not extracted; with ``only``, just the files it names (paths relative
+    to the subtree) are. Returns the number of members extracted.
     """
     dest = Path(destination)
     prefix = subdir.strip("/") + "/" if subdir.strip("/") else ""
@@ -86,6 +87,8 @@ def extract_subtree(archive: PathLike, destination: PathLike, subdir: str = "",
                 relative = rest[len(prefix):]
                 if any(relative == top_name or relative.startswith(top_name + "/")
                        for top_name in (".git", *skipped)):
+                    continue
+                if only is not None and relative not in only:
                     continue
                 _extract_member(tar, member, relative, prefix, top_dir, dest)
                 extracted += 1

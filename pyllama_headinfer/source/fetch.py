@@ -51,12 +51,13 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from pyllama_headinfer import paths, pin
 from pyllama_headinfer.source.archive import extract_subtree
 from pyllama_headinfer.errors import HeadInferError, SourceError, UsageError
-from pyllama_headinfer.source.tree_verify import PathLike, forget_stat_cache, move_stat_cache, verify_tree
+from pyllama_headinfer.source.tree_verify import (PathLike, compare_listings, forget_stat_cache, move_stat_cache,
+                                                  scan_tree, verify_tree)
 
 log = logging.getLogger(__name__)
 
@@ -338,6 +339,35 @@ def _fetch_into_cache(tried: List[str], *, replace: bool = False) -> Path:
         f"could not obtain llama.cpp {pin.active().short}; tried:\n"
         + "\n".join(f"  - {line}" for line in tried)
     )
+
+
+def extract_pin_files(files: Sequence[str], destination: PathLike) -> Path:
+    """The given files of the active pin, as it has them, in ``destination``: extracted from its
+    archive (one downloaded earlier, else downloaded as :func:`fetch_source` would) and verified
+    against the pin's listing. For tools that need the pristine files whatever state the cached
+    tree is in (the patch manager's re-targeting, :mod:`pyllama_headinfer.patches.retarget`)."""
+    wanted = set(files)
+    expected = {p: v for p, v in pin.active().files().items() if p in wanted}
+    downloads = downloads_dir()
+    downloads.mkdir(parents=True, exist_ok=True)
+    tried: List[str] = []
+    for fetcher in _remote_sources(downloads):
+        try:
+            archive, subdir = fetcher.download(downloads)
+            target = Path(destination)
+            if target.exists():
+                shutil.rmtree(target)
+            target.mkdir(parents=True)
+            if expected:
+                extract_subtree(archive, target, subdir, only=wanted)
+            diff = compare_listings(scan_tree(target, use_cache=False), expected)
+            if not diff.ok:
+                raise SourceError(f"{archive.name} does not hold the pin's files ({diff.describe()})")
+            return target
+        except (HeadInferError, OSError, subprocess.SubprocessError) as exc:
+            tried.append(f"{fetcher.label}: {exc}")
+    raise SourceError(f"could not obtain files of llama.cpp {pin.active().short}; tried:\n"
+                      + "\n".join(f"  - {line}" for line in tried))
 
 
 def fetch_source(*, force: bool = False, accept: Acceptance = pristine) -> Path:
