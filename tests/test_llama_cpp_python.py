@@ -142,6 +142,17 @@ def test_a_failed_add_libraries_leaves_no_partial_wheel(tmp_path):
     assert list(out.iterdir()) == []
 
 
+def test_only_a_build_of_the_binding_s_pin_is_packed():
+    """llama-cpp-python 0.3.36 declares b11312's structs in ctypes: a b11549 library (which appended
+    moe_cache_size to llama_context_params) would shift headinfer_gpu_heads_frac under it."""
+    from pyllama_headinfer.build.llama_cpp_python import check_build
+    from pyllama_headinfer.errors import UsageError
+
+    check_build({"pin": {"build": "b11312"}})
+    with pytest.raises(UsageError, match="needs a build of llama.cpp b11312.*this build is of b11549"):
+        check_build({"pin": {"build": "b11549"}})
+
+
 def test_python_series_is_separate_and_applied(lcp):
     names = read_series_names(paths.python_patches_dir())
     assert len(names) == 5 and all(n.endswith(".patch") for n in names)

@@ -88,7 +88,13 @@ def wheel_version() -> str:
 
 
 def check_build(manifest: Mapping) -> None:
-    """Refuse builds whose libraries cannot be loaded from a wheel's llama_cpp/lib (module docstring)."""
+    """Refuse builds whose libraries cannot be loaded from a wheel's llama_cpp/lib (module docstring),
+    or that another llama.cpp than the one llama-cpp-python's ctypes declarations describe."""
+    built_pin = (manifest.get("pin") or {}).get("build")
+    if built_pin != pin.PYTHON_LAYER_PIN:
+        raise UsageError(f"--llama-cpp-python needs a build of llama.cpp {pin.PYTHON_LAYER_PIN}: "
+                         f"{pin.PYTHON_LAYER_SDIST.requirement} declares llama.h's structs for that pin in ctypes, "
+                         f"and this build is of {built_pin} (build without --pin {built_pin})")
     if manifest.get("sanitize"):
         raise UsageError("--llama-cpp-python cannot use a sanitizer build (its libraries need the sanitizer "
                          "runtime preloaded); build without --sanitize")
