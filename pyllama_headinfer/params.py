@@ -108,6 +108,25 @@ def check_kv_type(name: str, value) -> str:
     return t
 
 
+# HeadInfer: llama_context_params.headinfer_stream and .headinfer_attn (llama.h's enums), by name
+HEADINFER_STREAM_TYPES = {
+    "gpu": "LLAMA_HEADINFER_STREAM_GPU",  # host heads copied one layer ahead on CUDA/HIP GPUs (default)
+    "off": "LLAMA_HEADINFER_STREAM_OFF",  # copied when their layer starts
+    "any": "LLAMA_HEADINFER_STREAM_ANY",  # streamed on any device with async copies and events (RPC: tests)
+}
+HEADINFER_ATTN_TYPES = {
+    "joined": "LLAMA_HEADINFER_ATTN_JOINED",  # one attention over the joined heads: bit-identical to frac 1.0 (default)
+    "parts": "LLAMA_HEADINFER_ATTN_PARTS",    # one attention per half, no join: the same values, another float order on CUDA
+}
+
+
+def check_choice(name: str, value, choices) -> str:
+    """``value`` if it is one of ``choices`` (names); ValueError listing them otherwise."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+    return value
+
+
 def _optional_bool(name: str, value) -> Optional[bool]:
     if value is not None and not isinstance(value, bool):
         raise ValueError(f"{name} must be True, False or None, got {value!r}")
@@ -131,6 +150,9 @@ class ContextParams:
     [0, 1]) and ``headinfer_vram_budget`` (bytes or e.g. ``"24GiB"``: the
     fraction is derived from the budget when the context is created). Neither
     given: 1.0, HeadInfer off. Both given is an error, whatever the values.
+    ``headinfer_stream`` (:data:`HEADINFER_STREAM_TYPES`) says how the host
+    heads reach the device, ``headinfer_attn`` (:data:`HEADINFER_ATTN_TYPES`)
+    how a split layer's attention reads its two halves.
     """
 
     n_ctx: int = 512
@@ -147,6 +169,8 @@ class ContextParams:
     swa_full: Optional[bool] = None
     headinfer_gpu_heads_frac: Optional[float] = None
     headinfer_vram_budget: Optional[Size] = None
+    headinfer_stream: str = "gpu"
+    headinfer_attn: str = "joined"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise the checked values in place
@@ -171,6 +195,8 @@ class ContextParams:
         _optional_bool("kv_unified", self.kv_unified)
         _optional_bool("swa_full", self.swa_full)
         set_(self, "offload_kqv", bool(self.offload_kqv))
+        check_choice("headinfer_stream", self.headinfer_stream, HEADINFER_STREAM_TYPES)
+        check_choice("headinfer_attn", self.headinfer_attn, HEADINFER_ATTN_TYPES)
 
     @property
     def frac(self) -> float:

@@ -22,12 +22,13 @@ unless ``$PYLLAMA_HEADINFER_PIN`` or a command's ``--pin`` names another one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 from pyllama_headinfer.errors import UsageError
 
@@ -119,14 +120,20 @@ def active() -> Pin:
     return get(os.environ.get(PIN_ENV) or DEFAULT_PIN)
 
 
-def select(build: Optional[str]) -> Pin:
-    """The pin a command's ``--pin`` names; :func:`active` when it is None. A given
-    pin is also put in the environment, so the rest of the process (and its children) agree."""
-    if build is None:
-        return active()
-    chosen = get(build)
-    os.environ[PIN_ENV] = chosen.build
-    return chosen
+@contextlib.contextmanager
+def using(build: Optional[str]) -> Iterator[None]:
+    """Make ``build`` the active pin for a while (``$PYLLAMA_HEADINFER_PIN``, so child processes
+    agree), then restore the environment; None changes nothing."""
+    before = os.environ.get(PIN_ENV)
+    try:
+        if build is not None:
+            os.environ[PIN_ENV] = build
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PIN_ENV, None)
+        else:
+            os.environ[PIN_ENV] = before
 
 
 def _data(name: str) -> bytes:

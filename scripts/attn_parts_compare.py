@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How far is the attention per part (LLAMA_HEADINFER_ATTN=parts) from the joined heads?
+"""How far is the attention per part (headinfer_attn="parts") from the joined heads?
 
     python scripts/attn_parts_compare.py [--fracs 0.75,0.5,0.25] [--types f16,q8_0] [--steps 32] [--ngl 99]
                                          [--depth 48] [--no-8b-heads] [--no-cuda-fusion]
@@ -40,7 +40,6 @@ import testing_models  # noqa: E402
 from pyllama_headinfer.llama import Context, Model  # noqa: E402
 from pyllama_headinfer.runtime.log import capture_log  # noqa: E402
 
-ATTN_ENV = "LLAMA_HEADINFER_ATTN"  # read by llama.cpp when a context creates its KV cache
 PARTS_LOG = "attend to their resident and host heads separately"  # llama.cpp's line when the parts mode is on
 N_PROMPT = 48
 
@@ -48,13 +47,12 @@ N_PROMPT = 48
 def decode(model: Model, frac: float, kv_type: str, mode: str, prompt: list[int], steps: int,
            forced: list[int] | None = None) -> tuple[list[int], np.ndarray]:
     """(greedy tokens, logits of every step [steps + 1, n_vocab]); with ``forced`` those tokens are decoded."""
-    os.environ[ATTN_ENV] = mode
     n_ctx = -(-(len(prompt) + steps + 1) // 256) * 256
     with capture_log() as log, Context(model, n_ctx=n_ctx, n_batch=512, flash_attn=True, type_k=kv_type,
-                                       type_v=kv_type, headinfer_gpu_heads_frac=frac) as ctx:
+                                       type_v=kv_type, headinfer_gpu_heads_frac=frac, headinfer_attn=mode) as ctx:
         if (mode == "parts") != any(PARTS_LOG in text for _, text in log):
-            raise RuntimeError(f"{ATTN_ENV}={mode}, frac {frac}: llama.cpp's log does not say so "
-                               "(a build without patch 0019, or no layer split?)")
+            raise RuntimeError(f"headinfer_attn={mode}, frac {frac}: llama.cpp's log does not say so "
+                               "(no layer split?)")
         for i in range(0, len(prompt), 512):
             ctx.decode(prompt[i:i + 512])
         logits = [ctx.logits(-1)]

@@ -163,11 +163,15 @@ def pipeline_problems(report: dict, base: dict) -> list[str]:
     return problems
 
 
+# how the split layers' host heads reach the device and are attended (--stream, --attn): ContextParams' names
+HEADINFER = {"headinfer_stream": "gpu", "headinfer_attn": "joined"}
+
+
 def run(model: Model, scenario: str, frac: float, kv_type: str, prompt: list) -> tuple[list, list, dict, list]:
     def make_ctx() -> Context:
         return Context(model, n_ctx=STREAMS_N_CTX if scenario == "streams" else 256, n_batch=256, n_ubatch=256,
                        flash_attn=True, type_k=kv_type, type_v=kv_type, n_seq_max=2 if scenario == "streams" else 1,
-                       kv_unified=False, headinfer_gpu_heads_frac=frac)
+                       kv_unified=False, headinfer_gpu_heads_frac=frac, **HEADINFER)
 
     kv_bytes: list = []
     with capture_messages() as log, make_ctx() as ctx:
@@ -272,11 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rpc", type=int, default=0, metavar="N",
                     help="start N local RPC servers (a build with -DGGML_RPC=ON) and use their devices: "
                          "several offload devices on a machine without GPUs")
+    ap.add_argument("--attn", choices=("joined", "parts"), default="joined",
+                    help="how split layers attend to their two halves (headinfer_attn; default joined)")
+    ap.add_argument("--stream", choices=("gpu", "off", "any"), default="gpu",
+                    help="how the host heads reach the device (headinfer_stream; default gpu; any: RPC devices too)")
     ap.add_argument("--no-cuda-fusion", action="store_true",
                     help="set GGML_CUDA_DISABLE_FUSION=1: CUDA fuses ROPE->VIEW->SET_ROWS only where the whole K row "
                          "is stored, i.e. in the unsplit graph, and its fused result differs from the unfused one "
                          "(docs/GPU.md); without fusion both graphs run the same kernels")
     args = ap.parse_args(argv)
+    HEADINFER.update(headinfer_attn=args.attn, headinfer_stream=args.stream)
     if args.no_cuda_fusion:
         os.environ["GGML_CUDA_DISABLE_FUSION"] = "1"  # read by ggml-cuda at its first graph, after this
     print(f"CUDA kernel fusion: {'off' if os.environ.get('GGML_CUDA_DISABLE_FUSION', '0') not in ('', '0') else 'on'}")

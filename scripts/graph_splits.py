@@ -15,7 +15,7 @@ backend as llama.cpp reports it (it includes the scheduler's staging buffer
 for streamed host inputs, patch 18), per context size. With --rpc N (a build
 with -DGGML_RPC=ON) the layers go to N local RPC servers' devices: on a
 machine without a GPU, with LLAMA_HEADINFER_FORCE_SPLIT=1, this shows how the
-scheduler copies host memory to an offload device (GGML_SCHED_STREAM=0:
+scheduler copies host memory to an offload device (--stream off:
 without streaming). With --streams N the context has N sequences with one
 KV stream each (kv_unified = false, llama-server's slots with -np N).
 """
@@ -39,12 +39,16 @@ SPLITS_RE = re.compile(r"graph.*: nodes = (\d+)(?: / (\d+))?, splits = (\d+)(?: 
 COMPUTE_RE = re.compile(r"(\S+) compute buffer size = +([0-9.]+) MiB")
 
 
+# how the split layers' host heads reach the device and are attended (--stream, --attn): ContextParams' names
+HEADINFER = {"headinfer_stream": "gpu", "headinfer_attn": "joined"}
+
+
 def graph_splits(model: Model, frac: float, n_ctx: int, kv_type: str,
                  n_streams: int = 1) -> tuple[int, int, int, int, dict[str, float]]:
     """(splits pp, splits tg, nodes tg, split layers, {backend: compute buffer MiB}) of the context's reserved graphs."""
     streams = {"n_seq_max": n_streams, "kv_unified": False} if n_streams > 1 else {}
     with capture_log() as log, Context(model, n_ctx=n_ctx, flash_attn=True, type_k=kv_type, type_v=kv_type,
-                                                headinfer_gpu_heads_frac=frac, **streams) as ctx:
+                                                headinfer_gpu_heads_frac=frac, **streams, **HEADINFER) as ctx:
         report = ctx.kv_residency() or {"layers": []}
     n_split = sum(1 for x in report["layers"] if x["n_head_resident"] < x["n_head_kv"])
     compute = {m.group(1): float(m.group(2)) for _, text in log for m in [COMPUTE_RE.search(text)] if m}
@@ -64,9 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", default="4096", help="context sizes, comma-separated")
     ap.add_argument("--type", default="f16", help="KV type (K and V)")
     ap.add_argument("--rpc", type=int, default=0, metavar="N", help="spread the layers over N local RPC servers' devices")
+    ap.add_argument("--attn", choices=("joined", "parts"), default="joined",
+                    help="how split layers attend to their two halves (headinfer_attn; default joined)")
+    ap.add_argument("--stream", choices=("gpu", "off", "any"), default="gpu",
+                    help="how the host heads reach the device (headinfer_stream; default gpu; any: RPC devices too)")
     ap.add_argument("--streams", type=int, default=1, metavar="N",
                     help="N sequences, one KV stream each (kv_unified = false, as llama-server's -np N)")
     args = ap.parse_args(argv)
+    HEADINFER.update(headinfer_attn=args.attn, headinfer_stream=args.stream)
     logging.getLogger("pyllama_headinfer.llama").setLevel(logging.INFO)
 
     from gpu_check import rpc_servers  # the same servers as the exactness check's

@@ -9,6 +9,7 @@
 #   scripts/h200_session.sh OUTDIR streams  # per-slot streams, attention per part: exactness, decode, buffers, slots (~7 min)
 #   scripts/h200_session.sh OUTDIR slots    # per-slot streams far from full vs unified, 32K decode repeated (~3 min)
 #   scripts/h200_session.sh OUTDIR state    # gpu_check --no-cuda-fusion, then llama-server slot save/restore at 32K (~3 min)
+#   scripts/h200_session.sh OUTDIR params   # headinfer_stream / headinfer_attn as parameters: exactness, decode, splits (~3 min)
 #   scripts/h200_session.sh OUTDIR pin      # a pin's checks: gpu_check, test-backend-ops, test-llama-archs, 32K decode (~3 min)
 #
 # PYLLAMA_HEADINFER_PIN picks the pin (its build directory is build/cuda-sm90-<pin> for a pin other than the
@@ -20,8 +21,8 @@
 # cffi, pycparser and gguf for the machine's python3 (the device tool's README says how).
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin}
-part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin}
+out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params}
+part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -104,9 +105,9 @@ stream)
     [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model" > /dev/null
     mkdir -p "$out/json"
     lb dec_8k_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 1
-    LB_ENV=GGML_SCHED_STREAM=0 lb dec_nostream -ctk f16 -ctv f16 -hgf 0.5 -d 8192,32768 -p 0 -n 32 -r 1
+    lb dec_nostream --headinfer-stream off -ctk f16 -ctv f16 -hgf 0.5 -d 8192,32768 -p 0 -n 32 -r 1
     { time python3 scripts/graph_splits.py --model "$model" --ctx 8192,32768,131072 --fracs 1,0.5,0.25; } > "$out/splits.txt" 2>&1
-    { echo "== streaming off"; GGML_SCHED_STREAM=0 python3 scripts/graph_splits.py --model "$model" --ctx 131072 --fracs 1,0.5; } >> "$out/splits.txt" 2>&1
+    { echo "== streaming off"; python3 scripts/graph_splits.py --stream off --model "$model" --ctx 131072 --fracs 1,0.5; } >> "$out/splits.txt" 2>&1
     lb dec_128k -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
     lb fill_128k -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -p 131072 -n 0 -r 1 -ub 2048,8192
     tar czf "$out/stream_json.tgz" -C "$out" json && rm -rf "$out/json"
@@ -132,7 +133,7 @@ serve)
     ;;
 streams)
     # the series after the 2026-12-03 review: the host stores run last with one KV stream per slot too (patch 0007),
-    # and the split layers' heads can be attended per part (patch 0019, LLAMA_HEADINFER_ATTN=parts). Exactness with
+    # and the split layers' heads can be attended per part (patch 0020, headinfer_attn = parts). Exactness with
     # fusion off (joined: bit-identical; parts: how far), decode joined vs parts, compute buffers, slots under load,
     # and one decode step of the 1B-shaped draft at 32K (the speculative loop's drafting). ~5 min; by priority.
     draft=/tmp/d1b.gguf
@@ -140,8 +141,8 @@ streams)
       [ -f "$draft" ] || python3 scripts/make_bench_model.py --out "$draft" --shape 1b; } > "$out/streams.err" 2>&1
     export GGML_CUDA_DISABLE_FUSION=1
     for attn in joined parts; do
-        echo "== LLAMA_HEADINFER_ATTN=$attn GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion"
-        LLAMA_HEADINFER_ATTN=$attn tl python3 scripts/gpu_check.py --no-cuda-fusion 2>&1 | grep -v "ggml_cuda_init\|Device 0"
+        echo "== GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --attn $attn"
+        tl python3 scripts/gpu_check.py --no-cuda-fusion --attn $attn 2>&1 | grep -v "ggml_cuda_init\|Device 0"
         echo "gpu_check exit ${PIPESTATUS[0]}"
     done > "$out/gpu_check.txt"
     { echo "== GGML_CUDA_DISABLE_FUSION=1 python3 scripts/attn_parts_compare.py --no-cuda-fusion"
@@ -149,10 +150,10 @@ streams)
     unset GGML_CUDA_DISABLE_FUSION
     mkdir -p "$out/json"
     lb dec_joined -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 1
-    LB_ENV=LLAMA_HEADINFER_ATTN=parts lb dec_parts -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 1
+    lb dec_parts --headinfer-attn parts -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 1
     { for attn in joined parts; do
-          echo "== LLAMA_HEADINFER_ATTN=$attn python3 scripts/graph_splits.py --ctx 8192,32768,131072 --fracs 1,0.75,0.5,0.25"
-          LLAMA_HEADINFER_ATTN=$attn tl python3 scripts/graph_splits.py --model "$model" --ctx 8192,32768,131072 --fracs 1,0.75,0.5,0.25
+          echo "== python3 scripts/graph_splits.py --attn $attn --ctx 8192,32768,131072 --fracs 1,0.75,0.5,0.25"
+          tl python3 scripts/graph_splits.py --attn $attn --model "$model" --ctx 8192,32768,131072 --fracs 1,0.75,0.5,0.25
       done
       echo "== python3 scripts/graph_splits.py --ctx 32768 --fracs 1,0.5 --streams 4"
       tl python3 scripts/graph_splits.py --model "$model" --ctx 32768 --fracs 1,0.5 --streams 4; } > "$out/splits.txt" 2>> "$out/streams.err"
@@ -162,7 +163,7 @@ streams)
           --prompt-tokens 8192 --max-tokens 128 --json "$out/server_load.json" --server "$bdir/bin/llama-server" \
           --ngl 99 --server-log "$out/server.log"; } > "$out/server_load.md" 2>> "$out/streams.err"
     echo "load exit $?" >> "$out/streams.err"
-    LB_ENV=LLAMA_HEADINFER_ATTN=parts lb dec_128k_parts -ctk f16 -ctv f16 -hgf 0.5 -d 131072 -p 0 -n 16 -r 1 -ub 2048
+    lb dec_128k_parts --headinfer-attn parts -ctk f16 -ctv f16 -hgf 0.5 -d 131072 -p 0 -n 16 -r 1 -ub 2048
     # the device tool brings back 8 files: the tables stay, the rest is packed
     tar czf "$out/raw.tgz" -C "$out" json server.log server_load.json bench.err streams.err 2>/dev/null
     rm -rf "$out/json" "$out/server.log" "$out/server_load.json" "$out/bench.err" "$out/streams.err"
@@ -196,12 +197,32 @@ pin)
     tar czf "$out/raw.tgz" -C "$out" json bench.err pin.err 2>/dev/null
     rm -rf "$out/json" "$out/bench.err" "$out/pin.err"
     ;;
+params)
+    # issue 29.3/29.8: streaming is opt-in (llama_context_params.headinfer_stream), the per-part attention a parameter
+    # (headinfer_attn): exactness with fusion off for the default and streaming off, decode at 32K per mode, splits
+    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
+    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
+    { echo "== --stream off"; tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --stream off \
+          --types f16 --fracs 0.5 2>&1 | tail -3; } >> "$out/gpu_check.txt"
+    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/params.err" 2>&1
+    mkdir -p "$out/json"
+    lb dec_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 32768 -p 0 -n 32 -r 2
+    lb dec_32k_off --headinfer-stream off -ctk f16 -ctv f16 -hgf 0.5 -d 32768 -p 0 -n 32 -r 1
+    lb dec_32k_parts --headinfer-attn parts -ctk f16 -ctv f16 -hgf 0.5 -d 32768 -p 0 -n 32 -r 1
+    { for stream in gpu off; do
+          echo "== python3 scripts/graph_splits.py --stream $stream --ctx 32768 --fracs 1,0.5"
+          tl python3 scripts/graph_splits.py --stream $stream --model "$model" --ctx 32768 --fracs 1,0.5
+      done; } > "$out/splits.txt" 2>> "$out/params.err"
+    python3 scripts/speed_model_check.py --model "$model" "$out"/json/dec_32k.json > "$out/speed_model.md" 2>&1
+    tar czf "$out/raw.tgz" -C "$out" json bench.err params.err 2>/dev/null
+    rm -rf "$out/json" "$out/bench.err" "$out/params.err"
+    ;;
 slots)
     # per-slot streams far from full (4 slots of 32K holding ~8K each): patch 0018 streams the cells in use of each
     # slot, not the cells between them (issue 13.7); per-slot vs unified under the same load, then the 32K decode
     # at f = 0.75 repeated (issue 12's one figure below 95 % of the ceiling). ~3 min.
     { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/slots.err" 2>&1
-    { echo "== LLAMA_HEADINFER_ATTN=joined GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion"
+    { echo "== GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion"
       GGML_CUDA_DISABLE_FUSION=1 tl python3 scripts/gpu_check.py --no-cuda-fusion 2>&1 | grep -v "ggml_cuda_init\|Device 0"
       echo "gpu_check exit ${PIPESTATUS[0]}"; } > "$out/gpu_check.txt"
     export PYTHONUNBUFFERED=1

@@ -1,4 +1,4 @@
-"""The attention per part of a split layer (patch 0019, LLAMA_HEADINFER_ATTN=parts).
+"""The attention per part of a split layer (patch 0020, ``headinfer_attn="parts"``).
 
 The resident heads are attended where they live and the host heads where
 they were copied, and the two outputs joined. On the CPU every row of the
@@ -34,17 +34,27 @@ def test_parts_give_the_joined_heads_bits_on_the_cpu(built):
         assert row.count("identical max|d| 0 greedy agreement 100.0%") == 2, row
 
 
-@pytest.mark.parametrize("value", ["part", "PARTS", "1"])
-def test_an_unknown_mode_is_a_warning_and_the_heads_are_read_joined(llama, gguf_models, monkeypatch, value):
+@pytest.mark.parametrize("value", ["part", "PARTS", 1, None])
+def test_an_unknown_mode_is_a_value_error(llama, gguf_models, value):
+    with llama.Model(gguf_models["llama-gqa"]) as model:
+        with pytest.raises(ValueError, match="headinfer_attn must be one of 'joined', 'parts'"):
+            llama.Context(model, n_ctx=256, headinfer_gpu_heads_frac=0.5, headinfer_attn=value)
+        with pytest.raises(ValueError, match="headinfer_stream must be one of 'gpu', 'off', 'any'"):
+            llama.Context(model, n_ctx=256, headinfer_gpu_heads_frac=0.5, headinfer_stream=value)
+
+
+def test_parts_are_a_context_parameter(llama, gguf_models, monkeypatch):
+    """headinfer_attn (llama_context_params, no environment variable) reaches the KV cache: its log says so."""
     from pyllama_headinfer.runtime.log import capture_log
 
     monkeypatch.setenv(FORCE_SPLIT, "1")
-    monkeypatch.setenv("LLAMA_HEADINFER_ATTN", value)
     logger = logging.getLogger("pyllama_headinfer.llama")
     monkeypatch.setattr(logger, "level", logging.INFO)  # the split's INFO lines reach the capture
-    with llama.Model(gguf_models["llama-gqa"]) as model, capture_log() as log, \
-            llama.Context(model, n_ctx=256, flash_attn=True, headinfer_gpu_heads_frac=0.5) as ctx:
-        ctx.decode(model.tokenize("The split reads its heads joined."))
-    texts = [text for _, text in log]
-    assert any(f"LLAMA_HEADINFER_ATTN={value} is not 'parts' or 'joined': using 'joined'" in t for t in texts), texts
-    assert not any("separately" in t for t in texts), texts
+    texts = {}
+    for attn in ("joined", "parts"):
+        with llama.Model(gguf_models["llama-gqa"]) as model, capture_log() as log, \
+                llama.Context(model, n_ctx=256, flash_attn=True, headinfer_gpu_heads_frac=0.5, headinfer_attn=attn) as ctx:
+            ctx.decode(model.tokenize("The split reads its heads."))
+        texts[attn] = [text for _, text in log]
+    assert any("attend to their resident and host heads separately" in t for t in texts["parts"]), texts["parts"]
+    assert not any("separately" in t for t in texts["joined"]), texts["joined"]

@@ -101,6 +101,8 @@ maps = [l.split()[-1] for l in open("/proc/self/maps") if "libllama" in l or "li
 print(json.dumps({"version": llama_cpp.__version__, "available": llama_cpp.HEADINFER_AVAILABLE,
                   "default": p.headinfer_gpu_heads_frac, "size": ctypes.sizeof(llama_cpp.llama_context_params),
                   "offset": llama_cpp.llama_context_params.headinfer_gpu_heads_frac.offset,
+                  "stream": [p.headinfer_stream, llama_cpp.llama_context_params.headinfer_stream.offset],
+                  "attn": [p.headinfer_attn, llama_cpp.llama_context_params.headinfer_attn.offset],
                   "file": llama_cpp.__file__, "maps": sorted(set(maps))}))
 """, split=False)
     assert out["version"].startswith(f"{pin.PYTHON_LAYER_SDIST.version}+headinfer.")
@@ -108,6 +110,8 @@ print(json.dumps({"version": llama_cpp.__version__, "available": llama_cpp.HEADI
     # the ctypes mirror has the C layout (the cffi module is compiled against the patched llama.h)
     assert out["size"] == ffi.sizeof("struct llama_context_params")
     assert out["offset"] == ffi.offsetof("struct llama_context_params", "headinfer_gpu_heads_frac")
+    assert out["stream"] == [1, ffi.offsetof("struct llama_context_params", "headinfer_stream")]  # GPU by default
+    assert out["attn"] == [0, ffi.offsetof("struct llama_context_params", "headinfer_attn")]  # joined
     # the libraries come from the wheel (relocatable: $ORIGIN), not from the build directory
     site = str(Path(out["file"]).parent)
     assert out["maps"] and all(m.startswith(site + "/lib/") for m in out["maps"]), out["maps"]
@@ -155,13 +159,13 @@ def test_only_a_build_of_the_binding_s_pin_is_packed():
 
 def test_python_series_is_separate_and_applied(lcp):
     names = read_series_names(paths.python_patches_dir())
-    assert len(names) == 5 and all(n.endswith(".patch") for n in names)
+    assert len(names) == 6 and all(n.endswith(".patch") for n in names)
     assert not set(names) & set(read_series_names())  # the C series does not list them
     tree = build_dir() / "llama-cpp-python" / "src"
     result = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "patch", "status", "--series",
                              "llama-cpp-python", "--llama-src", str(tree)], cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
-    assert result.returncode == 0 and "APPLIED: all 5 patches" in result.stdout, result.stdout
+    assert result.returncode == 0 and "APPLIED: all 6 patches" in result.stdout, result.stdout
 
 
 # --------------------------------------------------------------------------

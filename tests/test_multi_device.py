@@ -47,12 +47,11 @@ def rpc_env(rpc_build: Path) -> dict:
 
 def run_split_script(rpc_build: Path, script: str, *args: str, stream: bool = True,
                      timeout: float = 600, attn: str = "joined") -> subprocess.CompletedProcess:
-    """scripts/<script> with the RPC build, its layers split, their heads read ``attn`` (LLAMA_HEADINFER_ATTN)."""
+    """scripts/<script> with the RPC build, its layers split, their heads read ``attn`` (headinfer_attn)."""
     env = rpc_env(rpc_build)
-    env["LLAMA_HEADINFER_ATTN"] = attn
     # the scheduler streams host memory to RPC devices only when asked (they have no pinned host buffer type, so
-    # there is nothing to gain): asked by default, so that the checks cover the streamed path (patch 0018) too
-    env["GGML_SCHED_STREAM"] = "1" if stream else "0"
+    # there is nothing to gain): headinfer_stream "any" by default, so that the checks cover the streamed path too
+    args = (*args, "--attn", attn, "--stream", "any" if stream else "off")
     # RPC devices have no pinned host buffer type, so llama.cpp does not split their layers (the host heads would
     # cross the network at every step); the testing knob splits them anyway, to run the split on RPC devices
     env[FORCE_SPLIT] = "1"
@@ -203,7 +202,7 @@ from pyllama_headinfer.llama import Context, Model, rpc_add_server
 from pyllama_headinfer.runtime.log import capture_log
 with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
     with Context(model, n_ctx=2048, n_seq_max=2, kv_unified=False, flash_attn=True, n_batch=64,
-                 headinfer_gpu_heads_frac=0.5) as ctx:
+                 headinfer_gpu_heads_frac=0.5, headinfer_stream="any") as ctx:
         ctx.decode(list(range(10, 50)), seq_id=0)
         ctx.decode(list(range(10, 30)), seq_id=1)
         with capture_log() as log:
@@ -221,7 +220,7 @@ def test_streamed_host_heads_skip_the_cells_between_kv_streams(rpc_build, gguf_m
     that lies between them in host memory (patch 0018; the exactness with stale bytes in between is gpu_check's
     streams scenario, test_layer_split_over_two_devices_is_bit_exact)."""
     env = rpc_env(rpc_build)
-    env.update(GGML_SCHED_STREAM="1", GGML_SCHED_DEBUG="1", LLAMA_HEADINFER_ATTN="joined")
+    env.update(GGML_SCHED_DEBUG="1")
     env[FORCE_SPLIT] = "1"
     run = subprocess.run([sys.executable, "-c", STREAMED_BYTES_CHILD, str(gguf_models["llama-gqa"])], cwd=ROOT,
                          capture_output=True, text=True, env=env, timeout=300)
@@ -244,7 +243,7 @@ def test_layer_split_is_bit_exact_without_streaming(rpc_build):
 
 
 def test_layer_split_is_bit_exact_attending_per_part(rpc_build):
-    """LLAMA_HEADINFER_ATTN=parts (patch 0019): the resident heads on the device where they live, the streamed host
+    """headinfer_attn="parts" (patch 0020): the resident heads on the device where they live, the streamed host
     heads where they were staged, one attention each; the CPU backend of the RPC devices gives the same bits."""
     run = gpu_check(rpc_build, "--types", "f16,q8_0", "--fracs", "0.5", attn="parts")
     assert run.returncode == 0 and run.stdout.rstrip().endswith("all checks passed"), run.stdout[-3000:] + run.stderr[-2000:]

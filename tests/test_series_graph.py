@@ -35,19 +35,16 @@ class _Records(logging.Handler):
 
 # the graph's layouts: one KV stream or one per sequence, the split layers' heads read joined or per part
 LAYOUTS = {
-    "joined": ({}, {}),
-    "joined-streams": ({"LLAMA_HEADINFER_ATTN": "joined"}, {"n_seq_max": 2, "kv_unified": False}),
-    "parts": ({"LLAMA_HEADINFER_ATTN": "parts"}, {}),
-    "parts-streams": ({"LLAMA_HEADINFER_ATTN": "parts"}, {"n_seq_max": 2, "kv_unified": False}),
+    "joined": {},
+    "joined-streams": {"headinfer_attn": "joined", "n_seq_max": 2, "kv_unified": False},
+    "parts": {"headinfer_attn": "parts"},
+    "parts-streams": {"headinfer_attn": "parts", "n_seq_max": 2, "kv_unified": False},
 }
 
 
 def graph_numbers(llama, model, frac, monkeypatch, layout="joined"):
-    env, params = LAYOUTS[layout]
+    params = LAYOUTS[layout]
     monkeypatch.setenv(FORCE_SPLIT, "1")
-    monkeypatch.delenv("LLAMA_HEADINFER_ATTN", raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
     logger = llama.logger
     handler, level = _Records(), logger.level
     logger.addHandler(handler)

@@ -22,7 +22,7 @@ from pyllama_headinfer.api.model import Model
 from pyllama_headinfer.api.residency import format_kv_residency, split_summary
 from pyllama_headinfer.api.sampler import Sampler
 from pyllama_headinfer.errors import EXIT_OK, UsageError
-from pyllama_headinfer.params import ContextParams
+from pyllama_headinfer.params import HEADINFER_ATTN_TYPES, HEADINFER_STREAM_TYPES, ContextParams
 from pyllama_headinfer.runtime import bindings
 from pyllama_headinfer.vram.speed import rank_options
 
@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     headinfer.add_argument("--vram-budget", default=None,
                            help="HeadInfer: derive the fraction from a GPU memory budget, e.g. 24GiB (instead of "
                                 "--frac; see the plan command)")
+    parser.add_argument("--headinfer-attn", choices=tuple(HEADINFER_ATTN_TYPES), default="joined",
+                        help="HeadInfer: how a split layer's attention reads its two halves: joined (bit-identical "
+                             "to --frac 1.0; default) or parts (no join, another float order on CUDA)")
+    parser.add_argument("--headinfer-stream", choices=tuple(HEADINFER_STREAM_TYPES), default="gpu",
+                        help="HeadInfer: copy the host heads one layer ahead on CUDA/HIP GPUs (gpu, default), when "
+                             "their layer starts (off), or ahead on any async device (any: RPC, for tests)")
     parser.add_argument("--ngl", "--n-gpu-layers", dest="ngl", type=int, default=0,
                         help="layers to offload to the GPU (-1 = all; default 0)")
     parser.add_argument("--ctx", "-c", type=int, default=4096, help="context size (default 4096)")
@@ -68,7 +74,8 @@ def context_params(args: argparse.Namespace) -> ContextParams:
     return ContextParams(n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.batch, n_threads=args.threads,
                          flash_attn=args.flash_attn, type_k=args.cache_type_k or "f16",
                          type_v=args.cache_type_v or "f16", headinfer_gpu_heads_frac=args.frac,
-                         headinfer_vram_budget=args.vram_budget)
+                         headinfer_vram_budget=args.vram_budget, headinfer_attn=args.headinfer_attn,
+                         headinfer_stream=args.headinfer_stream)
 
 
 def kv_type_for_budget(model: Model, params: ContextParams, args: argparse.Namespace) -> str:

@@ -169,22 +169,6 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
-@contextlib.contextmanager
-def _pin_of_command(build: Optional[str]):
-    """``--pin`` for the duration of the command: put in the environment (so every module and child
-    process agrees), then restored (``main`` may be called again in the same process)."""
-    before = os.environ.get(pin.PIN_ENV)
-    try:
-        if build is not None:
-            os.environ[pin.PIN_ENV] = build
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(pin.PIN_ENV, None)
-        else:
-            os.environ[pin.PIN_ENV] = before
-
-
 def exit_status(exc: BaseException) -> int:
     """The exit status for an exception a command raised (see the module docstring)."""
     if isinstance(exc, (KeyboardInterrupt, BuildInterrupted)):
@@ -211,7 +195,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.command:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    with cli_logging(args.verbose), _pin_of_command(pin_build):
+    with cli_logging(args.verbose), pin.using(pin_build):
         try:
             pin.active()  # an unknown $PYLLAMA_HEADINFER_PIN is a usage error before anything runs
             return int(importlib.import_module(args.module).run(args))

@@ -45,8 +45,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
-import re
 import shutil
 import subprocess
 import tempfile
@@ -441,57 +439,88 @@ def _replay_earlier(scratch: Scratch, patch: Patch, earlier: _Earlier) -> Option
     return PatchResult(patch.name, Verdict.REPLAYED, note=note)
 
 
+def merge_messages(base: str, ours: str, theirs: str) -> Optional[str]:
+    """A human's edit of a commit message (``base`` -> ``ours``) carried onto the source's new message
+    ``theirs`` (``git merge-file``); None when they overlap."""
+    with tempfile.TemporaryDirectory(prefix="pyllama-headinfer-message-") as temp:
+        files = []
+        for name, text in (("ours", ours), ("base", base), ("theirs", theirs)):
+            path = Path(temp) / name
+            path.write_text(text, encoding="utf-8")
+            files.append(str(path))
+        result = subprocess.run(["git", "merge-file", "-p", *files], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return result.stdout.decode("utf-8", "replace") if result.returncode == 0 else None
+
+
+def _carry_message(scratch: Scratch, patch: Patch, edits: Dict[str, Tuple[str, str]]) -> str:
+    """After ``patch`` was committed with the source's message: bring a human's earlier edit of its
+    message across (a note for the report; "" when there was none)."""
+    if patch.name not in edits:
+        return ""
+    base, edited = edits[patch.name]
+    merged = merge_messages(base, edited, scratch.message(patch.path))
+    if merged is None:
+        return "its message was edited by hand before, and the edit does not merge with the source's new message: redo it"
+    scratch.reword(merged)
+    return "the hand edit of its message carried over"
+
+
+def _with_note(result: PatchResult, note: str) -> PatchResult:
+    if not note:
+        return result
+    return PatchResult(result.name, result.verdict, result.conflicts, "; ".join(n for n in (result.note, note) if n))
+
+
 def _replay(scratch: Scratch, source: Series, resolutions: Resolutions,
-            memo: Dict[Tuple[bytes, str], _Earlier]) -> List[PatchResult]:
+            memo: Dict[Tuple[bytes, str], _Earlier], edits: Dict[str, Tuple[str, str]]) -> List[PatchResult]:
     """Each patch of ``source`` onto the scratch repository's HEAD, committed; the verdicts."""
-    results = []
-    for patch in source.patches:
-        earlier = memo.get((hashlib.sha256(_patch_body(patch.path)).digest(), scratch.tree_id()))
-        if earlier is not None and earlier.message_edited:  # even a clean patch keeps a human's message
-            result = _replay_earlier(scratch, patch, earlier)
-            if result is not None:
-                results.append(result)
-                continue
-        if scratch.apply_check(patch.path):
-            scratch.am(patch.path)
-            results.append(PatchResult(patch.name, Verdict.CLEAN))
-            continue
-        if scratch.apply_check(patch.path, reverse=True):
-            results.append(PatchResult(patch.name, Verdict.UPSTREAM))
-            continue
-        result = _replay_earlier(scratch, patch, earlier) if earlier is not None else None
+    return [_replay_one(scratch, patch, resolutions, memo, edits) for patch in source.patches]
+
+
+def _replay_one(scratch: Scratch, patch: Patch, resolutions: Resolutions,
+                memo: Dict[Tuple[bytes, str], _Earlier], edits: Dict[str, Tuple[str, str]]) -> PatchResult:
+    earlier = memo.get((hashlib.sha256(_patch_body(patch.path)).digest(), scratch.tree_id()))
+    if earlier is not None and earlier.message_edited:  # even a clean patch keeps a human's message
+        result = _replay_earlier(scratch, patch, earlier)
         if result is not None:
-            results.append(result)
-            continue
-        if scratch.am(patch.path, three_way=True):
-            results.append(PatchResult(patch.name, Verdict.MERGED))
-            continue
-        files = scratch.unmerged()
-        if not files:
-            scratch.abort_am()
-            raise PatchError(f"git am -3 could not apply {patch.name} and left no conflict to resolve")
-        conflicts: List[Conflict] = []
-        for relative in files:
-            text, found = resolve_text(relative, scratch.read(relative), resolutions)
-            scratch.write(relative, text)
-            conflicts.extend(found)
-        scratch.finish_am()
-        left = [c for c in conflicts if not c.resolved]
-        verdict = Verdict.CONFLICT if left else Verdict.RESOLVED
-        note = (f"{len(left)} of {len(conflicts)} conflict(s) left with markers in "
-                f"{', '.join(sorted({c.path for c in left}))}") if left else ""
-        results.append(PatchResult(patch.name, verdict, tuple(conflicts), note))
-    return results
+            return result
+    if scratch.apply_check(patch.path):
+        scratch.am(patch.path)
+        return _with_note(PatchResult(patch.name, Verdict.CLEAN), _carry_message(scratch, patch, edits))
+    if scratch.apply_check(patch.path, reverse=True):
+        return PatchResult(patch.name, Verdict.UPSTREAM)
+    result = _replay_earlier(scratch, patch, earlier) if earlier is not None else None
+    if result is not None:
+        return result
+    if scratch.am(patch.path, three_way=True):
+        return _with_note(PatchResult(patch.name, Verdict.MERGED), _carry_message(scratch, patch, edits))
+    files = scratch.unmerged()
+    if not files:
+        scratch.abort_am()
+        raise PatchError(f"git am -3 could not apply {patch.name} and left no conflict to resolve")
+    conflicts: List[Conflict] = []
+    for relative in files:
+        text, found = resolve_text(relative, scratch.read(relative), resolutions)
+        scratch.write(relative, text)
+        conflicts.extend(found)
+    scratch.finish_am()
+    left = [c for c in conflicts if not c.resolved]
+    verdict = Verdict.CONFLICT if left else Verdict.RESOLVED
+    note = (f"{len(left)} of {len(conflicts)} conflict(s) left with markers in "
+            f"{', '.join(sorted({c.path for c in left}))}") if left else ""
+    return _with_note(PatchResult(patch.name, verdict, tuple(conflicts), note), _carry_message(scratch, patch, edits))
 
 
 def _learn(scratch: Scratch, upstream: str, source: Series, resolved: Series,
-           resolutions: Resolutions) -> Tuple[int, Dict[Tuple[bytes, str], _Earlier]]:
+           resolutions: Resolutions) -> Tuple[int, Dict[Tuple[bytes, str], _Earlier], Dict[str, Tuple[str, str]]]:
     """Replay the hand-resolved series ``resolved`` onto ``upstream`` next to ``source``: record the
-    resolution of every conflict the source patches meet on the way, and remember each resolved
-    patch by (source patch text, state it starts from). Stops at the first resolved patch that
-    does not apply or still has markers."""
+    resolution of every conflict the source patches meet on the way, remember each resolved patch
+    by (source patch text, state it starts from), and each message a human edited (name -> (the
+    source message it was made from, the edited one)). Stops at the first resolved patch that does
+    not apply or still has markers."""
     learned = 0
     memo: Dict[Tuple[bytes, str], _Earlier] = {}
+    edits: Dict[str, Tuple[str, str]] = {}
     scratch.checkout(upstream)
     for src, done in zip(source.patches, resolved.patches):
         if src.name != done.name:
@@ -504,6 +533,9 @@ def _learn(scratch: Scratch, upstream: str, source: Series, resolved: Series,
         # the resolved patch answers the source patch it was made from, which may have changed since
         recorded = resolutions.source_of(done.name)
         same_source = recorded.get("patch") == patch_digest(src.path)
+        made_from, message_now = recorded.get("message_text"), scratch.message(done.path)
+        if made_from is not None and message_now != made_from:
+            edits[done.name] = (made_from, message_now)
         merged: Dict[str, str] = {}
         if same_source:
             message = recorded.get("message")
@@ -521,7 +553,7 @@ def _learn(scratch: Scratch, upstream: str, source: Series, resolved: Series,
             target = scratch.read(relative) if (scratch.root / relative).exists() else ""
             for conflict, resolution in learn_from(relative, text, target):
                 learned += resolutions.record(done.name, conflict, resolution)
-    return learned, memo
+    return learned, memo, edits
 
 
 def _prepare(scratch: Scratch, pin_tree: Path, source: Series, tree: Path) -> str:
@@ -548,12 +580,12 @@ def retarget(tree: Path, pin_tree: Path, source_dir: Optional[Path] = None,
     scratch = Scratch(source.touched)
     try:
         upstream = _prepare(scratch, pin_tree, source, tree)
-        learned, memo = 0, {}
+        learned, memo, edits = 0, {}, {}
         if out is not None and (out / "series").is_file():
-            learned, memo = _learn(scratch, upstream, source, load_series(out), resolutions)
+            learned, memo, edits = _learn(scratch, upstream, source, load_series(out), resolutions)
             scratch.checkout(upstream)
         report = RetargetReport(tree, _source_label(source), learned=learned, out=out)
-        report.patches = _replay(scratch, source, resolutions, memo)
+        report.patches = _replay(scratch, source, resolutions, memo, edits)
         report.upstream = upstream  # type: ignore[attr-defined]
     except BaseException:
         scratch.__exit__(None, None, None)
@@ -611,16 +643,9 @@ def pristine_files_of_pin(chosen: pin.Pin, files: Sequence[str]) -> Iterator[Pat
     """The given files of another pin's pristine tree (its cached tree, its series undone)."""
     from pyllama_headinfer import paths
 
-    before = os.environ.get(pin.PIN_ENV)
-    os.environ[pin.PIN_ENV] = chosen.build
-    try:
+    with pin.using(chosen.build):
         context = pristine_pin_files(load_series(paths.patches_dir(chosen)), extra=files)
         directory = context.__enter__()
-    finally:
-        if before is None:
-            os.environ.pop(pin.PIN_ENV, None)
-        else:
-            os.environ[pin.PIN_ENV] = before
     try:
         yield directory
     finally:
@@ -644,6 +669,8 @@ def rebase(tree: Path, out: Path, source_dir: Optional[Path] = None, *, target: 
         names = export(scratch.root, out, base=report.upstream, target=target)  # type: ignore[attr-defined]
         if len(names) == len(source.patches) - report.count(Verdict.UPSTREAM):
             kept = [p for p, r in zip(source.patches, report.patches) if r.verdict != Verdict.UPSTREAM]
-            Resolutions(out).save_sources({name: {"patch": patch_digest(p.path), "message": _digest(scratch.message(p.path))}
+            messages = {p.name: scratch.message(p.path) for p in kept}
+            Resolutions(out).save_sources({name: {"patch": patch_digest(p.path), "message": _digest(messages[p.name]),
+                                                  "message_text": messages[p.name]}
                                            for name, p in zip(names, kept)})
     return report

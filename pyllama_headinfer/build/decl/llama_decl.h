@@ -168,6 +168,19 @@ typedef struct llama_model_quantize_params {
     ...;
 } llama_model_quantize_params;
 
+enum llama_headinfer_stream_type {
+    LLAMA_HEADINFER_STREAM_OFF,
+    LLAMA_HEADINFER_STREAM_GPU,
+    LLAMA_HEADINFER_STREAM_ANY,
+    ...
+};
+
+enum llama_headinfer_attn_type {
+    LLAMA_HEADINFER_ATTN_JOINED,
+    LLAMA_HEADINFER_ATTN_PARTS,
+    ...
+};
+
 struct llama_context_params {
     uint32_t n_ctx;
     uint32_t n_batch;
@@ -177,6 +190,8 @@ struct llama_context_params {
     int32_t  n_threads_batch;
     enum llama_flash_attn_type flash_attn_type;
     float    headinfer_gpu_heads_frac;   /* HeadInfer (patch series) */
+    enum llama_headinfer_stream_type headinfer_stream;
+    enum llama_headinfer_attn_type   headinfer_attn;
     enum ggml_type type_k;
     enum ggml_type type_v;
     bool embeddings;
