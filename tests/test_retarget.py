@@ -99,7 +99,7 @@ def test_rebase_leaves_markers_then_learns_and_replays_the_resolution(upstream, 
     assert code == 1 and "1 CONFLICT" in out, out
     first = out_dir / "0001-core-split-heads.patch"
     assert "+<<<<<<< " in first.read_text() and "+>>>>>>> " in first.read_text()
-    assert "to do: resolve the conflict markers in 0001-core-split-heads.patch" in out
+    assert "to do: resolve 0001-core-split-heads.patch:" in out
 
     _resolve_by_hand(upstream, out_dir, tmp_path)
     resolved_patch = _patch_body(first)
@@ -200,6 +200,26 @@ def test_a_hand_edit_of_a_message_carries_over_when_the_source_patch_changes(ups
     assert "2601" in _patch_body(first)
 
 
+def test_a_second_rebase_without_resolving_learns_nothing(upstream, tmp_path, capsys):
+    """Markers left in the output are not a resolution: the second run reports the same conflict,
+    records nothing and still exits 1."""
+    out_dir = tmp_path / "retargeted"
+    rebase = ["patch", "rebase", "--onto", str(upstream), "--out", str(out_dir)]
+    assert main(rebase) == 1
+    capsys.readouterr()
+    code, out = _run(capsys, *rebase)
+    assert code == 1 and "0001-core-split-heads.patch: CONFLICT" in out, out
+    assert [p.name for p in (out_dir / "resolutions").glob("*.json")] == ["sources.json"]
+
+
+def test_ambiguous_anchors_are_not_learned():
+    """The text between two conflicts must be found once in the resolved file, or nothing is learned
+    from there on (the first match could cut the first resolution short)."""
+    merged = "a\n<<<<<<< HEAD\nx\n=======\ny\n>>>>>>> p\n}\n<<<<<<< HEAD\nu\n=======\nv\n>>>>>>> p\nz\n"
+    resolved = "a\nx\n}\ny\n}\nuv\nz\n"  # "}" stands inside the first resolution too
+    assert learn_from("f.c", merged, resolved) == []
+
+
 def test_rebase_refuses_its_own_source_as_output(upstream, fake_pin, capsys):
     code = main(["patch", "rebase", "--onto", str(upstream), "--out", str(fake_pin.patches)])
     assert code == 1
@@ -292,3 +312,27 @@ def test_b11549_series_is_the_recorded_retarget(capsys, tmp_path, real_cache):
     code, out = _run(capsys, "patch", "rebase", "--onto", "b11549", "--out", str(out_dir))
     assert code == 0 and "CONFLICT" not in out, out
     assert re.search(r"22 patches: 14 clean, 8 replayed", out), out
+
+
+def test_an_empty_or_abbreviated_pin_option_is_a_usage_error(capsys):
+    assert main(["--pin=", "source", "path"]) == 2
+    assert "--pin= needs a build" in capsys.readouterr().err
+    assert main(["--pi", "b11549", "source", "path"]) == 2  # not silently the default pin
+
+
+def test_a_truncated_archive_is_a_source_error(tmp_path):
+    import io
+    import tarfile
+
+    from pyllama_headinfer.errors import SourceError
+
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w:gz") as tar:
+        payload = b"x" * 100_000
+        info = tarfile.TarInfo("top/file.c")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    archive = tmp_path / "cut.tar.gz"
+    archive.write_bytes(data.getvalue()[: len(data.getvalue()) // 2])
+    with pytest.raises(SourceError, match="cannot extract"):
+        extract_subtree(archive, tmp_path / "out")

@@ -132,6 +132,8 @@ def take_pin_option(argv: Sequence[str]) -> Tuple[Optional[str], List[str]]:
                 raise UsageError("--pin needs a build, e.g. --pin " + pin.DEFAULT_PIN)
         elif word.startswith("--pin="):
             build = word[len("--pin="):]
+            if not build:
+                raise UsageError("--pin= needs a build, e.g. --pin " + pin.DEFAULT_PIN)
         else:
             rest.append(word)
     return build, rest
@@ -152,6 +154,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     default = pin.PINS.get(os.environ.get(pin.PIN_ENV) or pin.DEFAULT_PIN, pin.PINS[pin.DEFAULT_PIN])
     parser = argparse.ArgumentParser(
         prog="pyllama-headinfer",
+        allow_abbrev=False,  # --pin is taken out before argparse: an abbreviation of it must not pass unnoticed
         description=f"HeadInfer for llama.cpp {default.short} (pins: {', '.join(pin.PINS)}).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debugging details to stderr")

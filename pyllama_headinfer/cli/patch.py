@@ -16,7 +16,8 @@ from pyllama_headinfer.errors import EXIT_FAILURE, EXIT_OK, UsageError
 from pyllama_headinfer.patches.apply import apply, revert
 from pyllama_headinfer.patches.check import check
 from pyllama_headinfer.patches.export import export
-from pyllama_headinfer.patches.retarget import drift, is_other_tree, pristine_files_of_pin, pristine_pin_files, rebase
+from pyllama_headinfer.patches.retarget import (drift, is_other_tree, pin_of_tree, pristine_files_of_pin,
+                                                pristine_pin_files, rebase)
 from pyllama_headinfer.patches.series import load_series
 from pyllama_headinfer.patches.status import State, status
 from pyllama_headinfer.series import series_dir
@@ -66,8 +67,10 @@ def _rebase(args: argparse.Namespace) -> int:
     merged, replayed or resolved from record), 1 when conflicts are left with markers."""
     source_dir = series_dir(args.patches_dir)
     with contextlib.ExitStack() as stack:
-        if args.onto in pin.PINS:
-            onto = pin.PINS[args.onto]
+        onto = pin.PINS.get(args.onto)
+        if onto is None and Path(args.onto).is_dir():
+            onto = pin_of_tree(locate_tree(args.onto))  # a pin's tree, maybe carrying its series: its pristine files
+        if onto is not None:
             # its pristine files (its cached tree may carry its own series)
             tree = stack.enter_context(pristine_files_of_pin(onto, load_series(source_dir).touched))
             out = Path(args.out) if args.out else paths.patches_root() / onto.build
@@ -80,10 +83,11 @@ def _rebase(args: argparse.Namespace) -> int:
         report = rebase(tree, out, source_dir, target=target)
     print(report.describe())
     print(f"wrote the re-targeted series to {out}")
-    if not report.ok:
-        print(f"to do: resolve the conflict markers in {', '.join(p.name for p in report.conflicting)}: apply {out}'s "
-              f"series to a git checkout of the tree (`git am`), fix each commit, `patch export --llama-src CHECKOUT "
-              f"--patches-dir {out} --base <tree commit>`, then run this rebase again to record the resolutions")
+    left = [p.name for p in report.conflicting] + [p.name + " (its message)" for p in report.messages_left]
+    if left:
+        print(f"to do: resolve {', '.join(left)}: apply {out}'s series to a git checkout of the tree (`git am`), fix "
+              f"each commit, `patch export --llama-src CHECKOUT --patches-dir {out} --base <tree commit>`, then run "
+              "this rebase again to record the resolutions")
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 

@@ -45,6 +45,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import shutil
 import subprocess
 import tempfile
@@ -132,8 +133,13 @@ class RetargetReport:
         return [p for p in self.patches if p.verdict == Verdict.CONFLICT]
 
     @property
+    def messages_left(self) -> List[PatchResult]:
+        """Patches whose hand-edited message could not be carried over (a human must redo it)."""
+        return [p for p in self.patches if MESSAGE_LEFT in p.note]
+
+    @property
     def ok(self) -> bool:
-        return not self.conflicting
+        return not self.conflicting and not self.messages_left
 
     def summary(self) -> str:
         parts = [f"{self.count(v)} {v.value}" for v in Verdict if self.count(v)]
@@ -178,7 +184,8 @@ def parse_conflicts(path: str, text: str) -> List[Tuple[int, int, Conflict]]:
 
 
 def has_markers(text: str) -> bool:
-    return any(line.startswith(_MARK_OURS) for line in text.splitlines())
+    """Whether a file's text, or the lines a patch adds or keeps, hold a conflict marker."""
+    return any(line.lstrip("+ ").startswith(_MARK_OURS) or line.startswith(_MARK_OURS) for line in text.splitlines())
 
 
 def learn_from(path: str, merged: str, resolved: str) -> List[Tuple[Conflict, str]]:
@@ -207,8 +214,8 @@ def learn_from(path: str, merged: str, resolved: str) -> List[Tuple[Conflict, st
                 break
         else:
             at = resolved.find(following, cursor)
-            if at < 0:
-                break
+            if at < 0 or resolved.find(following, at + 1) >= 0:
+                break  # absent, or not unique: which text is the resolution cannot be told
         learned.append((conflict, resolved[cursor:at]))
         cursor = at + len(following)
     return learned
@@ -452,6 +459,9 @@ def merge_messages(base: str, ours: str, theirs: str) -> Optional[str]:
     return result.stdout.decode("utf-8", "replace") if result.returncode == 0 else None
 
 
+MESSAGE_LEFT = "its message was edited by hand before, and the edit does not merge with the source's new message: redo it"
+
+
 def _carry_message(scratch: Scratch, patch: Patch, edits: Dict[str, Tuple[str, str]]) -> str:
     """After ``patch`` was committed with the source's message: bring a human's earlier edit of its
     message across (a note for the report; "" when there was none)."""
@@ -460,7 +470,7 @@ def _carry_message(scratch: Scratch, patch: Patch, edits: Dict[str, Tuple[str, s
     base, edited = edits[patch.name]
     merged = merge_messages(base, edited, scratch.message(patch.path))
     if merged is None:
-        return "its message was edited by hand before, and the edit does not merge with the source's new message: redo it"
+        return MESSAGE_LEFT
     scratch.reword(merged)
     return "the hand edit of its message carried over"
 
@@ -485,7 +495,9 @@ def _replay_one(scratch: Scratch, patch: Patch, resolutions: Resolutions,
         if result is not None:
             return result
     if scratch.apply_check(patch.path):
-        scratch.am(patch.path)
+        if not scratch.am(patch.path):
+            scratch.abort_am()
+            raise PatchError(f"git am refused {patch.name}, which git apply --check accepted")
         return _with_note(PatchResult(patch.name, Verdict.CLEAN), _carry_message(scratch, patch, edits))
     if scratch.apply_check(patch.path, reverse=True):
         return PatchResult(patch.name, Verdict.UPSTREAM)
@@ -522,9 +534,12 @@ def _learn(scratch: Scratch, upstream: str, source: Series, resolved: Series,
     memo: Dict[Tuple[bytes, str], _Earlier] = {}
     edits: Dict[str, Tuple[str, str]] = {}
     scratch.checkout(upstream)
-    for src, done in zip(source.patches, resolved.patches):
-        if src.name != done.name:
-            log.info("learning stops at %s: the resolved series has %s there", src.name, done.name)
+    by_subject = {_subject_of(p.name): p for p in source.patches}
+    for done in resolved.patches:
+        # format-patch numbers the files in order: a patch already upstream shifts the numbers after it
+        src = by_subject.get(_subject_of(done.name))
+        if src is None:
+            log.warning("learning stops at %s: no patch of the source series has its subject", done.name)
             break
         if has_markers(done.path.read_text(encoding="utf-8", errors="surrogateescape")):
             log.info("learning stops at %s: it still has conflict markers", done.name)
@@ -552,8 +567,14 @@ def _learn(scratch: Scratch, upstream: str, source: Series, resolved: Series,
         for relative, text in merged.items():
             target = scratch.read(relative) if (scratch.root / relative).exists() else ""
             for conflict, resolution in learn_from(relative, text, target):
-                learned += resolutions.record(done.name, conflict, resolution)
+                if not has_markers(resolution):
+                    learned += resolutions.record(done.name, conflict, resolution)
     return learned, memo, edits
+
+
+def _subject_of(name: str) -> str:
+    """``0007-kv-cache-store-….patch`` -> ``kv-cache-store-…`` (the file name without its number)."""
+    return re.sub(r"^\d+-", "", name)
 
 
 def _prepare(scratch: Scratch, pin_tree: Path, source: Series, tree: Path) -> str:
@@ -628,6 +649,21 @@ def pristine_pin_files(series: Series, extra: Sequence[str] = ()) -> Iterator[Pa
         yield work.root
 
 
+def pin_of_tree(tree: Path) -> Optional[pin.Pin]:
+    """The pin whose tree ``tree`` is, pristine or carrying that pin's own series (its files outside
+    that series are the pin's); None for any other tree."""
+    from pyllama_headinfer import paths
+    from pyllama_headinfer.source.tree_verify import compare_listings, scan_tree
+
+    actual = scan_tree(tree)
+    for record in pin.PINS.values():
+        touched = set(load_series(paths.patches_dir(record)).touched)
+        keep = lambda listing: {p: v for p, v in listing.items() if p not in touched}  # noqa: E731
+        if compare_listings(keep(actual), keep(record.files())).ok:
+            return record
+    return None
+
+
 def is_other_tree(tree: Path, series: Series) -> bool:
     """Whether ``tree`` is another llama.cpp than the active pin: files the series does not touch
     differ from the pin's (a hand-edited or half-patched pin tree differs only in files it touches)."""
@@ -670,7 +706,12 @@ def rebase(tree: Path, out: Path, source_dir: Optional[Path] = None, *, target: 
         if len(names) == len(source.patches) - report.count(Verdict.UPSTREAM):
             kept = [p for p, r in zip(source.patches, report.patches) if r.verdict != Verdict.UPSTREAM]
             messages = {p.name: scratch.message(p.path) for p in kept}
-            Resolutions(out).save_sources({name: {"patch": patch_digest(p.path), "message": _digest(messages[p.name]),
-                                                  "message_text": messages[p.name]}
-                                           for name, p in zip(names, kept)})
+            left = {r.name for r in report.messages_left}
+            before = Resolutions(out)
+            Resolutions(out).save_sources({
+                # a hand edit that did not carry over stays recorded against its old source message
+                name: ({**before.source_of(name), "patch": patch_digest(p.path)} if p.name in left and before.source_of(name)
+                       else {"patch": patch_digest(p.path), "message": _digest(messages[p.name]),
+                             "message_text": messages[p.name]})
+                for name, p in zip(names, kept)})
     return report

@@ -12,6 +12,7 @@ import copy
 import os
 import posixpath
 import tarfile
+import zlib
 from pathlib import Path
 from typing import Collection, Optional, Sequence, Tuple, Union
 
@@ -92,8 +93,8 @@ def extract_subtree(archive: PathLike, destination: PathLike, subdir: str = "",
                     continue
                 _extract_member(tar, member, relative, prefix, top_dir, dest)
                 extracted += 1
-    except tarfile.TarError as exc:
-        raise SourceError(f"cannot extract {archive}: {exc}") from exc
+    except (tarfile.TarError, EOFError, zlib.error) as exc:  # a truncated or corrupt .tar.gz
+        raise SourceError(f"cannot extract {archive}: {exc or type(exc).__name__}") from exc
     if not extracted:
         where = f"{top_dir}/{prefix}" if top_dir else "(empty archive)"
         raise SourceError(f"{archive} holds nothing under {where}")

@@ -358,11 +358,16 @@ def extract_pin_files(files: Sequence[str], destination: PathLike) -> Path:
             if target.exists():
                 shutil.rmtree(target)
             target.mkdir(parents=True)
-            if expected:
-                extract_subtree(archive, target, subdir, only=wanted)
-            diff = compare_listings(scan_tree(target, use_cache=False), expected)
-            if not diff.ok:
-                raise SourceError(f"{archive.name} does not hold the pin's files ({diff.describe()})")
+            try:
+                if expected:
+                    extract_subtree(archive, target, subdir, only=wanted)
+                diff = compare_listings(scan_tree(target, use_cache=False), expected)
+                if not diff.ok:
+                    raise SourceError(f"{archive.name} does not hold the pin's files ({diff.describe()})")
+            except SourceError as exc:
+                # a corrupt, truncated or wrong archive must not fail every later attempt
+                archive.unlink(missing_ok=True)
+                raise SourceError(f"{exc}; deleted {archive.name}") from exc
             return target
         except (HeadInferError, OSError, subprocess.SubprocessError) as exc:
             tried.append(f"{fetcher.label}: {exc}")
