@@ -51,13 +51,14 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from pyllama_headinfer import paths, pin
 from pyllama_headinfer.source.archive import extract_subtree
 from pyllama_headinfer.errors import HeadInferError, SourceError, UsageError
-from pyllama_headinfer.source.tree_verify import (PathLike, compare_listings, forget_stat_cache, move_stat_cache,
-                                                  scan_tree, verify_tree)
+from pyllama_headinfer.pin import PinnedFile
+from pyllama_headinfer.source.tree_verify import (PathLike, check_pin_listing, compare_listings, forget_stat_cache,
+                                                  move_stat_cache, scan_tree, verify_tree)
 
 log = logging.getLogger(__name__)
 
@@ -297,48 +298,60 @@ def take_replaced_file_times(tree: os.PathLike) -> Dict[str, Tuple[str, int, int
     return {rel: (str(v[0]), int(v[1]), int(v[2])) for rel, v in kept.items()}
 
 
-def _fetch_one(fetcher: _Fetcher, downloads: Path, final: Path, replace: bool) -> Path:
-    archive, subdir = fetcher.download(downloads)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=".staging-"))
+def _extract_checked(archive: Path, target: Path, subdir: str, expected: Mapping[str, PinnedFile], wrong: str,
+                     only: Optional[Set[str]] = None) -> None:
+    """Extract ``subdir`` of ``archive`` (just the files ``only`` names, if given) into ``target``
+    and check it holds exactly ``expected`` (else the error says ``wrong``). A corrupt, unsafe or
+    wrong archive is deleted: it must not fail the next attempt too."""
     try:
-        tree = staging / final.name
-        tree.mkdir()
-        log.info("extracting %s", archive.name)
-        try:
-            extract_subtree(archive, tree, subdir)
-            diff = verify_tree(tree)
-            if not diff.ok:
-                raise SourceError(f"the extracted tree is not the pin ({diff.describe()})")
-        except SourceError as exc:
-            # a corrupt, unsafe or wrong archive must not satisfy the next attempt
-            archive.unlink(missing_ok=True)
-            raise SourceError(f"{exc}; deleted {archive.name}") from exc
-        return install_tree(tree, final, replace)
-    finally:
-        forget_stat_cache(staging / final.name)
-        shutil.rmtree(staging, ignore_errors=True)
+        if only is None or only:
+            extract_subtree(archive, target, subdir, only=only)
+        diff = compare_listings(scan_tree(target, use_cache=False), expected)
+        if not diff.ok:
+            raise SourceError(f"{wrong} ({diff.describe()})")
+    except SourceError as exc:
+        archive.unlink(missing_ok=True)
+        raise SourceError(f"{exc}; deleted {archive.name}") from exc
 
 
-def _fetch_into_cache(tried: List[str], *, replace: bool = False) -> Path:
-    final = cached_tree_path()
+def _from_sources(action: Callable[[_Fetcher, Path], Path], what: str, tried: List[str]) -> Path:
+    """``action(fetcher, downloads dir)`` with each source in turn (one downloaded earlier first)
+    until one succeeds; a failure with a source left to try is an INFO line, all failing an error
+    listing ``tried`` (which the caller may have started)."""
     downloads = downloads_dir()
     downloads.mkdir(parents=True, exist_ok=True)
     sources = _remote_sources(downloads)
     for i, fetcher in enumerate(sources):
         try:
-            tree = _fetch_one(fetcher, downloads, final, replace)
+            return action(fetcher, downloads)
         except (HeadInferError, OSError, subprocess.SubprocessError) as exc:
             tried.append(f"{fetcher.label}: {exc}")
             if i + 1 < len(sources):  # not an error yet: the next source may well work
                 log.info("%s: not available (%s); trying the %s", fetcher.label, exc, sources[i + 1].label)
-            continue
-        log.info("pinned llama.cpp %s ready at %s", pin.active().build, tree)
-        return tree
-    raise SourceError(
-        f"could not obtain llama.cpp {pin.active().short}; tried:\n"
-        + "\n".join(f"  - {line}" for line in tried)
-    )
+    raise SourceError(f"could not obtain {what}; tried:\n" + "\n".join(f"  - {line}" for line in tried))
+
+
+def _fetch_into_cache(tried: List[str], *, replace: bool = False) -> Path:
+    final = cached_tree_path()
+
+    def fetch_one(fetcher: _Fetcher, downloads: Path) -> Path:
+        archive, subdir = fetcher.download(downloads)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=".staging-"))
+        try:
+            tree = staging / final.name
+            tree.mkdir()
+            log.info("extracting %s", archive.name)
+            check_pin_listing()
+            _extract_checked(archive, tree, subdir, pin.active().files(), "the extracted tree is not the pin")
+            return install_tree(tree, final, replace)
+        finally:
+            forget_stat_cache(staging / final.name)
+            shutil.rmtree(staging, ignore_errors=True)
+
+    tree = _from_sources(fetch_one, f"llama.cpp {pin.active().short}", tried)
+    log.info("pinned llama.cpp %s ready at %s", pin.active().build, tree)
+    return tree
 
 
 def extract_pin_files(files: Sequence[str], destination: PathLike) -> Path:
@@ -348,31 +361,17 @@ def extract_pin_files(files: Sequence[str], destination: PathLike) -> Path:
     tree is in (the patch manager's re-targeting, :mod:`pyllama_headinfer.patches.retarget`)."""
     wanted = set(files)
     expected = {p: v for p, v in pin.active().files().items() if p in wanted}
-    downloads = downloads_dir()
-    downloads.mkdir(parents=True, exist_ok=True)
-    tried: List[str] = []
-    for fetcher in _remote_sources(downloads):
-        try:
-            archive, subdir = fetcher.download(downloads)
-            target = Path(destination)
-            if target.exists():
-                shutil.rmtree(target)
-            target.mkdir(parents=True)
-            try:
-                if expected:
-                    extract_subtree(archive, target, subdir, only=wanted)
-                diff = compare_listings(scan_tree(target, use_cache=False), expected)
-                if not diff.ok:
-                    raise SourceError(f"{archive.name} does not hold the pin's files ({diff.describe()})")
-            except SourceError as exc:
-                # a corrupt, truncated or wrong archive must not fail every later attempt
-                archive.unlink(missing_ok=True)
-                raise SourceError(f"{exc}; deleted {archive.name}") from exc
-            return target
-        except (HeadInferError, OSError, subprocess.SubprocessError) as exc:
-            tried.append(f"{fetcher.label}: {exc}")
-    raise SourceError(f"could not obtain files of llama.cpp {pin.active().short}; tried:\n"
-                      + "\n".join(f"  - {line}" for line in tried))
+    target = Path(destination)
+
+    def extract_one(fetcher: _Fetcher, downloads: Path) -> Path:
+        archive, subdir = fetcher.download(downloads)
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+        _extract_checked(archive, target, subdir, expected, f"{archive.name} does not hold the pin's files", only=wanted)
+        return target
+
+    return _from_sources(extract_one, f"files of llama.cpp {pin.active().short}", [])
 
 
 def fetch_source(*, force: bool = False, accept: Acceptance = pristine) -> Path:
