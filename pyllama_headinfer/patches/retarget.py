@@ -57,7 +57,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 from pyllama_headinfer import pin
 from pyllama_headinfer.errors import PatchError
 from pyllama_headinfer.patches.series import Patch, Series, load_series
-from pyllama_headinfer.patches.workspace import Workspace, restrict_listing, reversed_prefix, run_git
+from pyllama_headinfer.patches.workspace import Workspace, listing_without, restrict_listing, reversed_prefix, run_git
 
 log = logging.getLogger("pyllama_headinfer.patches")
 
@@ -124,6 +124,7 @@ class RetargetReport:
     patches: List[PatchResult] = field(default_factory=list)
     learned: int = 0  # resolutions recorded in this run
     out: Optional[Path] = None
+    upstream: str = ""  # the scratch repository's commit of the tree: the base the output series starts from
 
     def count(self, verdict: Verdict) -> int:
         return sum(1 for p in self.patches if p.verdict == verdict)
@@ -185,7 +186,7 @@ def parse_conflicts(path: str, text: str) -> List[Tuple[int, int, Conflict]]:
 
 def has_markers(text: str) -> bool:
     """Whether a file's text, or the lines a patch adds or keeps, hold a conflict marker."""
-    return any(line.lstrip("+ ").startswith(_MARK_OURS) or line.startswith(_MARK_OURS) for line in text.splitlines())
+    return any(line.lstrip("+ ").startswith(_MARK_OURS) for line in text.splitlines())
 
 
 def learn_from(path: str, merged: str, resolved: str) -> List[Tuple[Conflict, str]]:
@@ -425,10 +426,6 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
 
 
-def _source_label(series: Series) -> str:
-    return f"llama.cpp {pin.active().build}"
-
-
 def _replay_earlier(scratch: Scratch, patch: Patch, earlier: _Earlier) -> Optional[PatchResult]:
     """Apply the hand-resolved patch again; its message is the source's current one unless a human
     edited it (then theirs is kept, flagged when the source's message changed since)."""
@@ -482,14 +479,14 @@ def _with_note(result: PatchResult, note: str) -> PatchResult:
 
 
 def _replay(scratch: Scratch, source: Series, resolutions: Resolutions,
-            memo: Dict[Tuple[bytes, str], _Earlier], edits: Dict[str, Tuple[str, str]]) -> List[PatchResult]:
+            memo: Dict[Tuple[str, str], _Earlier], edits: Dict[str, Tuple[str, str]]) -> List[PatchResult]:
     """Each patch of ``source`` onto the scratch repository's HEAD, committed; the verdicts."""
     return [_replay_one(scratch, patch, resolutions, memo, edits) for patch in source.patches]
 
 
 def _replay_one(scratch: Scratch, patch: Patch, resolutions: Resolutions,
-                memo: Dict[Tuple[bytes, str], _Earlier], edits: Dict[str, Tuple[str, str]]) -> PatchResult:
-    earlier = memo.get((hashlib.sha256(_patch_body(patch.path)).digest(), scratch.tree_id()))
+                memo: Dict[Tuple[str, str], _Earlier], edits: Dict[str, Tuple[str, str]]) -> PatchResult:
+    earlier = memo.get((patch_digest(patch.path), scratch.tree_id()))
     if earlier is not None and earlier.message_edited:  # even a clean patch keeps a human's message
         result = _replay_earlier(scratch, patch, earlier)
         if result is not None:
@@ -524,14 +521,14 @@ def _replay_one(scratch: Scratch, patch: Patch, resolutions: Resolutions,
 
 
 def _learn(scratch: Scratch, upstream: str, source: Series, resolved: Series,
-           resolutions: Resolutions) -> Tuple[int, Dict[Tuple[bytes, str], _Earlier], Dict[str, Tuple[str, str]]]:
+           resolutions: Resolutions) -> Tuple[int, Dict[Tuple[str, str], _Earlier], Dict[str, Tuple[str, str]]]:
     """Replay the hand-resolved series ``resolved`` onto ``upstream`` next to ``source``: record the
     resolution of every conflict the source patches meet on the way, remember each resolved patch
     by (source patch text, state it starts from), and each message a human edited (name -> (the
     source message it was made from, the edited one)). Stops at the first resolved patch that does
     not apply or still has markers."""
     learned = 0
-    memo: Dict[Tuple[bytes, str], _Earlier] = {}
+    memo: Dict[Tuple[str, str], _Earlier] = {}
     edits: Dict[str, Tuple[str, str]] = {}
     scratch.checkout(upstream)
     by_subject = {_subject_of(p.name): p for p in source.patches}
@@ -554,8 +551,8 @@ def _learn(scratch: Scratch, upstream: str, source: Series, resolved: Series,
         merged: Dict[str, str] = {}
         if same_source:
             message = recorded.get("message")
-            edited = message is None or _digest(scratch.message(done.path)) != message
-            memo[(hashlib.sha256(_patch_body(src.path)).digest(), scratch.tree_id())] = _Earlier(done.path, edited, message)
+            edited = message is None or _digest(message_now) != message
+            memo[(patch_digest(src.path), scratch.tree_id())] = _Earlier(done.path, edited, message)
             if not scratch.apply_check(src.path) and not scratch.am(src.path, three_way=True):
                 merged = {relative: scratch.read(relative) for relative in scratch.unmerged()}
             scratch.abort_am()
@@ -598,23 +595,19 @@ def retarget(tree: Path, pin_tree: Path, source_dir: Optional[Path] = None,
     if not source.patches:
         raise PatchError(f"the series in {source.directory} is empty")
     resolutions = Resolutions(out)
-    scratch = Scratch(source.touched)
-    try:
+    with contextlib.ExitStack() as stack:
+        scratch = stack.enter_context(Scratch(source.touched))
         upstream = _prepare(scratch, pin_tree, source, tree)
         learned, memo, edits = 0, {}, {}
         if out is not None and (out / "series").is_file():
             learned, memo, edits = _learn(scratch, upstream, source, load_series(out), resolutions)
             scratch.checkout(upstream)
-        report = RetargetReport(tree, _source_label(source), learned=learned, out=out)
+        report = RetargetReport(tree, f"llama.cpp {pin.active().build}", learned=learned, out=out, upstream=upstream)
         report.patches = _replay(scratch, source, resolutions, memo, edits)
-        report.upstream = upstream  # type: ignore[attr-defined]
-    except BaseException:
-        scratch.__exit__(None, None, None)
-        raise
-    if out is None:
-        scratch.__exit__(None, None, None)
-        return report, None
-    return report, scratch
+        if out is None:
+            return report, None
+        stack.pop_all()  # the caller exports it, then cleans it up
+        return report, scratch
 
 
 def drift(tree: Path, pin_tree: Path, source_dir: Optional[Path] = None) -> RetargetReport:
@@ -649,29 +642,26 @@ def pristine_pin_files(series: Series, extra: Sequence[str] = ()) -> Iterator[Pa
         yield work.root
 
 
-def pin_of_tree(tree: Path) -> Optional[pin.Pin]:
-    """The pin whose tree ``tree`` is, pristine or carrying that pin's own series (its files outside
-    that series are the pin's); None for any other tree."""
-    from pyllama_headinfer import paths
+def _is_pin_outside(tree: Path, record: pin.Pin, series: Series) -> bool:
+    """Whether the files of ``tree`` that ``series`` does not touch are exactly ``record``'s (a
+    hand-edited or half-patched tree of that pin differs only in files the series touches)."""
     from pyllama_headinfer.source.tree_verify import compare_listings, scan_tree
 
-    actual = scan_tree(tree)
-    for record in pin.PINS.values():
-        touched = set(load_series(paths.patches_dir(record)).touched)
-        keep = lambda listing: {p: v for p, v in listing.items() if p not in touched}  # noqa: E731
-        if compare_listings(keep(actual), keep(record.files())).ok:
-            return record
-    return None
+    return compare_listings(listing_without(scan_tree(tree), series.touched),
+                            listing_without(record.files(), series.touched)).ok
+
+
+def pin_of_tree(tree: Path) -> Optional[pin.Pin]:
+    """The pin whose tree ``tree`` is, pristine or carrying that pin's own series; None for any other tree."""
+    from pyllama_headinfer import paths
+
+    return next((record for record in pin.PINS.values()
+                 if _is_pin_outside(tree, record, load_series(paths.patches_dir(record)))), None)
 
 
 def is_other_tree(tree: Path, series: Series) -> bool:
-    """Whether ``tree`` is another llama.cpp than the active pin: files the series does not touch
-    differ from the pin's (a hand-edited or half-patched pin tree differs only in files it touches)."""
-    from pyllama_headinfer.source.tree_verify import compare_listings, scan_tree
-
-    touched = set(series.touched)
-    keep = lambda listing: {p: v for p, v in listing.items() if p not in touched}  # noqa: E731
-    return not compare_listings(keep(scan_tree(tree)), keep(pin.active().files())).ok
+    """Whether ``tree`` is another llama.cpp than the active pin (see :func:`_is_pin_outside`)."""
+    return not _is_pin_outside(tree, pin.active(), series)
 
 
 @contextlib.contextmanager
@@ -679,13 +669,10 @@ def pristine_files_of_pin(chosen: pin.Pin, files: Sequence[str]) -> Iterator[Pat
     """The given files of another pin's pristine tree (its cached tree, its series undone)."""
     from pyllama_headinfer import paths
 
-    with pin.using(chosen.build):
-        context = pristine_pin_files(load_series(paths.patches_dir(chosen)), extra=files)
-        directory = context.__enter__()
-    try:
+    with contextlib.ExitStack() as stack:
+        with pin.using(chosen.build):  # only while the files are taken: the caller works with its own pin
+            directory = stack.enter_context(pristine_pin_files(load_series(paths.patches_dir(chosen)), extra=files))
         yield directory
-    finally:
-        context.__exit__(None, None, None)
 
 
 def rebase(tree: Path, out: Path, source_dir: Optional[Path] = None, *, target: str) -> RetargetReport:
@@ -702,16 +689,20 @@ def rebase(tree: Path, out: Path, source_dir: Optional[Path] = None, *, target: 
         report, scratch = retarget(tree, pin_files, source.directory, out)
     assert scratch is not None
     with scratch:
-        names = export(scratch.root, out, base=report.upstream, target=target)  # type: ignore[attr-defined]
+        names = export(scratch.root, out, base=report.upstream, target=target)
         if len(names) == len(source.patches) - report.count(Verdict.UPSTREAM):
             kept = [p for p, r in zip(source.patches, report.patches) if r.verdict != Verdict.UPSTREAM]
-            messages = {p.name: scratch.message(p.path) for p in kept}
             left = {r.name for r in report.messages_left}
-            before = Resolutions(out)
-            Resolutions(out).save_sources({
-                # a hand edit that did not carry over stays recorded against its old source message
-                name: ({**before.source_of(name), "patch": patch_digest(p.path)} if p.name in left and before.source_of(name)
-                       else {"patch": patch_digest(p.path), "message": _digest(messages[p.name]),
-                             "message_text": messages[p.name]})
-                for name, p in zip(names, kept)})
+            recorded = Resolutions(out)
+            sources = {}
+            for name, patch in zip(names, kept):
+                before = recorded.source_of(name)
+                if patch.name in left and before:
+                    # a hand edit that did not carry over stays recorded against its old source message
+                    sources[name] = {**before, "patch": patch_digest(patch.path)}
+                else:
+                    message = scratch.message(patch.path)
+                    sources[name] = {"patch": patch_digest(patch.path), "message": _digest(message),
+                                     "message_text": message}
+            recorded.save_sources(sources)
     return report
