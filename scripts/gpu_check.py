@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testin
 import testing_models  # noqa: E402
 from pyllama_headinfer.api.residency import kv_residency_totals  # noqa: E402
 from pyllama_headinfer.llama import Context, Model, rpc_add_server  # noqa: E402
+from pyllama_headinfer.params import HEADINFER_ATTN_TYPES, HEADINFER_STREAM_TYPES  # noqa: E402
 from pyllama_headinfer.runtime.log import logger as llama_logger  # noqa: E402
 
 N_PROMPT = 40
@@ -167,6 +168,18 @@ def pipeline_problems(report: dict, base: dict) -> list[str]:
 HEADINFER = {"headinfer_stream": "gpu", "headinfer_attn": "joined"}
 
 
+def add_headinfer_arguments(ap: argparse.ArgumentParser) -> None:
+    """--attn and --stream (ContextParams.headinfer_attn / .headinfer_stream); also used by graph_splits.py."""
+    ap.add_argument("--attn", choices=tuple(HEADINFER_ATTN_TYPES), default="joined",
+                    help="how split layers attend to their two halves (headinfer_attn; default joined)")
+    ap.add_argument("--stream", choices=tuple(HEADINFER_STREAM_TYPES), default="gpu",
+                    help="how the host heads reach the device (headinfer_stream; default gpu; any: RPC devices too)")
+
+
+def headinfer_params(args: argparse.Namespace) -> dict:
+    return {"headinfer_attn": args.attn, "headinfer_stream": args.stream}
+
+
 def run(model: Model, scenario: str, frac: float, kv_type: str, prompt: list) -> tuple[list, list, dict, list]:
     def make_ctx() -> Context:
         return Context(model, n_ctx=STREAMS_N_CTX if scenario == "streams" else 256, n_batch=256, n_ubatch=256,
@@ -276,16 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rpc", type=int, default=0, metavar="N",
                     help="start N local RPC servers (a build with -DGGML_RPC=ON) and use their devices: "
                          "several offload devices on a machine without GPUs")
-    ap.add_argument("--attn", choices=("joined", "parts"), default="joined",
-                    help="how split layers attend to their two halves (headinfer_attn; default joined)")
-    ap.add_argument("--stream", choices=("gpu", "off", "any"), default="gpu",
-                    help="how the host heads reach the device (headinfer_stream; default gpu; any: RPC devices too)")
+    add_headinfer_arguments(ap)
     ap.add_argument("--no-cuda-fusion", action="store_true",
                     help="set GGML_CUDA_DISABLE_FUSION=1: CUDA fuses ROPE->VIEW->SET_ROWS only where the whole K row "
                          "is stored, i.e. in the unsplit graph, and its fused result differs from the unfused one "
                          "(docs/GPU.md); without fusion both graphs run the same kernels")
     args = ap.parse_args(argv)
-    HEADINFER.update(headinfer_attn=args.attn, headinfer_stream=args.stream)
+    HEADINFER.update(headinfer_params(args))
     if args.no_cuda_fusion:
         os.environ["GGML_CUDA_DISABLE_FUSION"] = "1"  # read by ggml-cuda at its first graph, after this
     print(f"CUDA kernel fusion: {'off' if os.environ.get('GGML_CUDA_DISABLE_FUSION', '0') not in ('', '0') else 'on'}")

@@ -61,6 +61,8 @@ def graph_splits(model: Model, frac: float, n_ctx: int, kv_type: str,
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gpu_check import add_headinfer_arguments, headinfer_params, rpc_servers  # the exactness check's
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "-m", required=True)
     ap.add_argument("--ngl", type=int, default=99)
@@ -68,17 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", default="4096", help="context sizes, comma-separated")
     ap.add_argument("--type", default="f16", help="KV type (K and V)")
     ap.add_argument("--rpc", type=int, default=0, metavar="N", help="spread the layers over N local RPC servers' devices")
-    ap.add_argument("--attn", choices=("joined", "parts"), default="joined",
-                    help="how split layers attend to their two halves (headinfer_attn; default joined)")
-    ap.add_argument("--stream", choices=("gpu", "off", "any"), default="gpu",
-                    help="how the host heads reach the device (headinfer_stream; default gpu; any: RPC devices too)")
+    add_headinfer_arguments(ap)
     ap.add_argument("--streams", type=int, default=1, metavar="N",
                     help="N sequences, one KV stream each (kv_unified = false, as llama-server's -np N)")
     args = ap.parse_args(argv)
-    HEADINFER.update(headinfer_attn=args.attn, headinfer_stream=args.stream)
+    HEADINFER.update(headinfer_params(args))
     logging.getLogger("pyllama_headinfer.llama").setLevel(logging.INFO)
-
-    from gpu_check import rpc_servers  # the same servers as the exactness check's
 
     with contextlib.ExitStack() as stack:
         endpoints = stack.enter_context(rpc_servers(args.rpc)) if args.rpc else []
