@@ -212,6 +212,18 @@ def test_a_second_rebase_without_resolving_learns_nothing(upstream, tmp_path, ca
     assert [p.name for p in (out_dir / "resolutions").glob("*.json")] == ["sources.json"]
 
 
+def test_a_message_edit_survives_a_rebase_while_the_code_still_conflicts(upstream, tmp_path, capsys):
+    out_dir = tmp_path / "retargeted"
+    rebase = ["patch", "rebase", "--onto", str(upstream), "--out", str(out_dir)]
+    assert main(rebase) == 1
+    first = out_dir / "0001-core-split-heads.patch"
+    first.write_text(first.read_text().replace("\n\ndiff --git ", "\n\nA note for this tree.\n\ndiff --git ", 1))
+    capsys.readouterr()
+    code, out = _run(capsys, *rebase)
+    assert code == 1 and "the hand edit of its message carried over" in out, out
+    assert "A note for this tree." in first.read_text()
+
+
 def test_ambiguous_anchors_are_not_learned():
     """The text between two conflicts must be found once in the resolved file, or nothing is learned
     from there on (the first match could cut the first resolution short)."""

@@ -538,16 +538,16 @@ def _learn(scratch: Scratch, upstream: str, source: Series, resolved: Series,
         if src is None:
             log.warning("learning stops at %s: no patch of the source series has its subject", done.name)
             break
+        recorded = resolutions.source_of(done.name)
+        made_from, message_now = recorded.get("message_text"), scratch.message(done.path)
+        if made_from is not None and message_now != made_from:
+            edits[done.name] = (made_from, message_now)  # kept even while its code still has markers
         if has_markers(done.path.read_text(encoding="utf-8", errors="surrogateescape")):
             log.info("learning stops at %s: it still has conflict markers", done.name)
             break
         state = scratch.head()
         # the resolved patch answers the source patch it was made from, which may have changed since
-        recorded = resolutions.source_of(done.name)
         same_source = recorded.get("patch") == patch_digest(src.path)
-        made_from, message_now = recorded.get("message_text"), scratch.message(done.path)
-        if made_from is not None and message_now != made_from:
-            edits[done.name] = (made_from, message_now)
         merged: Dict[str, str] = {}
         if same_source:
             message = recorded.get("message")
