@@ -43,12 +43,13 @@ COMPUTE_RE = re.compile(r"(\S+) compute buffer size = +([0-9.]+) MiB")
 HEADINFER = {"headinfer_stream": "gpu", "headinfer_attn": "joined"}
 
 
-def graph_splits(model: Model, frac: float, n_ctx: int, kv_type: str,
-                 n_streams: int = 1) -> tuple[int, int, int, int, dict[str, float]]:
+def graph_splits(model: Model, frac: float, n_ctx: int, kv_type: str, n_streams: int = 1,
+                 n_ubatch: int = 512) -> tuple[int, int, int, int, dict[str, float]]:
     """(splits pp, splits tg, nodes tg, split layers, {backend: compute buffer MiB}) of the context's reserved graphs."""
     streams = {"n_seq_max": n_streams, "kv_unified": False} if n_streams > 1 else {}
     with capture_log() as log, Context(model, n_ctx=n_ctx, flash_attn=True, type_k=kv_type, type_v=kv_type,
-                                                headinfer_gpu_heads_frac=frac, **streams, **HEADINFER) as ctx:
+                                       n_batch=max(512, n_ubatch), n_ubatch=n_ubatch,
+                                       headinfer_gpu_heads_frac=frac, **streams, **HEADINFER) as ctx:
         report = ctx.kv_residency() or {"layers": []}
     n_split = sum(1 for x in report["layers"] if x["n_head_resident"] < x["n_head_kv"])
     compute = {m.group(1): float(m.group(2)) for _, text in log for m in [COMPUTE_RE.search(text)] if m}
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fracs", default="1,0.75,0.5,0.25")
     ap.add_argument("--ctx", default="4096", help="context sizes, comma-separated")
     ap.add_argument("--type", default="f16", help="KV type (K and V)")
+    ap.add_argument("--ubatch", type=int, default=512, help="n_ubatch (the compute buffer grows with it)")
     ap.add_argument("--rpc", type=int, default=0, metavar="N", help="spread the layers over N local RPC servers' devices")
     add_headinfer_arguments(ap)
     ap.add_argument("--streams", type=int, default=1, metavar="N",
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         for n_ctx in (int(c) for c in args.ctx.split(",")):
             base_tg = None
             for frac in (float(f) for f in args.fracs.split(",")):
-                pp, tg, nodes, n_split, compute = graph_splits(model, frac, n_ctx, args.type, args.streams)
+                pp, tg, nodes, n_split, compute = graph_splits(model, frac, n_ctx, args.type, args.streams, args.ubatch)
                 base_tg = tg if base_tg is None else base_tg
                 extra = f"{(tg - base_tg) / n_split:.2f}" if n_split else "-"
                 buffers = ", ".join(f"{name} {mib:.1f}" for name, mib in compute.items())

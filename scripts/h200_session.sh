@@ -11,6 +11,7 @@
 #   scripts/h200_session.sh OUTDIR state    # gpu_check --no-cuda-fusion, then llama-server slot save/restore at 32K (~3 min)
 #   scripts/h200_session.sh OUTDIR params   # headinfer_stream / headinfer_attn as parameters: exactness, decode, splits (~3 min)
 #   scripts/h200_session.sh OUTDIR pin      # a pin's checks: gpu_check, test-backend-ops, test-llama-archs, 32K decode (~3 min)
+#   scripts/h200_session.sh OUTDIR writeback # host stores written back from the device: exactness, decode 8K-128K, buffers, host time (~5 min)
 #
 # PYLLAMA_HEADINFER_PIN picks the pin (its build directory is build/cuda-sm90-<pin> for a pin other than the
 # default); HI_CARRY names the carried directory of source archives (default .gpu-carry; the device carries
@@ -21,8 +22,8 @@
 # cffi, pycparser and gguf for the machine's python3 (the device tool's README says how).
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params}
-part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params}
+out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback}
+part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -234,5 +235,26 @@ slots)
     lb dec_32k_r3 -ctk f16 -ctv f16 -hgf 1,0.75,0.5 -d 32768 -p 0 -n 32 -r 3
     tar czf "$out/raw.tgz" -C "$out" json slots_server.log slots_load.json bench.err slots.err 2>/dev/null
     rm -rf "$out/json" "$out/slots_server.log" "$out/slots_load.json" "$out/bench.err" "$out/slots.err"
+    ;;
+writeback)
+    # issue 29.1: the host stores of each layer written back from the device (patches 0023, 0024): exactness with
+    # fusion off (streamed and not), the decode table of the issue, compute buffers at n_ubatch 2048, host time per step
+    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
+    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
+    { echo "== --stream off"; tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --stream off \
+          --types f16 --fracs 0.5 2>&1 | tail -3; } >> "$out/gpu_check.txt"
+    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/wb.err" 2>&1
+    mkdir -p "$out/json"
+    lb dec_8k_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 2
+    { echo "== python3 scripts/graph_splits.py --ubatch 2048 --ctx 8192,32768,131072 --fracs 1,0.5,0.25"
+      tl python3 scripts/graph_splits.py --model "$model" --ubatch 2048 --ctx 8192,32768,131072 --fracs 1,0.5,0.25
+      echo "== --stream off"
+      tl python3 scripts/graph_splits.py --stream off --model "$model" --ubatch 2048 --ctx 32768 --fracs 1,0.5; } > "$out/splits.txt" 2>> "$out/wb.err"
+    tl python3 scripts/decode_host_time.py --model "$model" --depth 32768 --fracs 1,0.5,0.25 --stream gpu,off \
+        > "$out/host_time.md" 2>> "$out/wb.err"
+    lb dec_128k -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
+    python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
+    tar czf "$out/raw.tgz" -C "$out" json bench.err wb.err 2>/dev/null
+    rm -rf "$out/json" "$out/bench.err" "$out/wb.err"
     ;;
 esac

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""How long one decode step holds the host under the HeadInfer split.
+
+    python scripts/decode_host_time.py --model M.gguf [--depth 32768] [--fracs 1,0.5,0.25] [--stream gpu,off] [--steps 32]
+
+For each fraction and ``headinfer_stream`` mode a context is filled to
+``--depth`` tokens, two steps are decoded to warm up, then ``--steps``
+single-token steps are timed twice over: until ``llama_decode`` returns (the
+host's part: building or reusing the graph, queuing its work, and whatever
+the host waits for) and until ``llama_synchronize`` returns (the device is
+done). A step whose ``llama_decode`` returns well before the device is done
+leaves the host free, e.g. for the next step's sampling while the device
+finishes. Medians in milliseconds; wall-clock figures, for comparing the
+configurations of one run on one machine (docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pyllama_headinfer.llama import Context, Model  # noqa: E402
+from pyllama_headinfer.params import HEADINFER_STREAM_TYPES  # noqa: E402
+
+
+def time_steps(ctx: Context, n_steps: int) -> tuple[float, float]:
+    """Median milliseconds per step until llama_decode returns, and until the device is done."""
+    host, total = [], []
+    for i in range(n_steps):
+        t0 = time.perf_counter()
+        ctx.decode([1 + i % (ctx.model.n_vocab - 1)])
+        t1 = time.perf_counter()
+        ctx.synchronize()
+        t2 = time.perf_counter()
+        host.append(t1 - t0)
+        total.append(t2 - t0)
+    return 1e3 * statistics.median(host), 1e3 * statistics.median(total)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", "-m", required=True)
+    parser.add_argument("--depth", type=int, default=32768)
+    parser.add_argument("--fracs", default="1,0.5,0.25")
+    parser.add_argument("--stream", default="gpu,off", help="headinfer_stream modes, comma-separated")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--ngl", type=int, default=99)
+    parser.add_argument("--type", default="f16", help="KV cache type")
+    args = parser.parse_args(argv)
+
+    fracs = [float(f) for f in args.fracs.split(",")]
+    streams = args.stream.split(",")
+    for stream in streams:
+        if stream not in HEADINFER_STREAM_TYPES:
+            parser.error(f"--stream: {stream!r} is not one of {', '.join(HEADINFER_STREAM_TYPES)}")
+
+    print(f"depth {args.depth}, {args.steps} steps, KV {args.type}; medians in ms")
+    print("| frac | stream | llama_decode returns | device done | host share |")
+    print("|---|---|---|---|---|")
+    with Model(args.model, n_gpu_layers=args.ngl) as model:
+        for frac in fracs:
+            for stream in (streams if frac < 1 else streams[:1]):
+                with Context(model, n_ctx=args.depth + args.steps + 256, n_batch=2048, n_ubatch=2048,
+                             flash_attn=True, type_k=args.type, type_v=args.type,
+                             headinfer_gpu_heads_frac=frac, headinfer_stream=stream) as ctx:
+                    filler = [1 + i % (model.n_vocab - 1) for i in range(args.depth)]
+                    ctx.decode(filler, logits="none")
+                    time_steps(ctx, 2)
+                    host, total = time_steps(ctx, args.steps)
+                print(f"| {frac:g} | {stream if frac < 1 else '-'} | {host:.2f} | {total:.2f} | {host / total:.0%} |",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
