@@ -327,8 +327,10 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
     * the scheduler's staging buffer (patch 0018): two slots, each one split
       layer's host K and V (the largest), outside ggml-alloc -- the host heads
       are copied there one layer ahead;
-    * each split layer's converted rows of the host heads, T rows of its host
-      K and V, alive until the host stores at the end of the graph.
+    * a split layer's converted rows of the host heads, T rows of its host
+      K and V, alive until the layer's host stores after its attention
+      (patch 0024; written back from the device when streamed, patch 0023):
+      one layer's at a time, the largest.
 
     Not included:
     the CUDA context, cuBLAS workspaces and the CUDA memory pool (outside
@@ -363,7 +365,7 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
             host_k = row_size(qk, (layer.n_head_kv - g) * layer.head_k)
             host_v = row_size(qv, (layer.n_head_kv - g) * layer.head_v)
             staging = max(staging, 2 * (host_k + host_v) * cells)  # two slots of the largest layer's host K+V
-            rows += (host_k + host_v) * T  # converted rows waiting for the host stores
+            rows = max(rows, (host_k + host_v) * T)  # converted rows waiting for the layer's host stores
         if quantized:
             lw += 2 * (layer.n_head_kv * layer.head_k + layer.row_v) * cells  # f16 copies for flash attention
         ws = max(ws, lw)
