@@ -17,6 +17,7 @@ GPUs the same script runs with ``--devices CUDA0,CUDA1`` (docs/GPU.md).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -279,6 +280,29 @@ def test_a_state_read_replaces_prefetched_host_heads(rpc_build, gguf_models):
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert run.stdout.split()[-1] == "identical", run.stdout[-2000:]
+
+
+def test_scheduler_streaming_test(rpc_build, tmp_path):
+    """The series' own scheduler test, written for upstream (tests/test-backend-sched.cpp, ggml only; compiled here
+    against the RPC build's libraries): streamed inputs, stores written back from the device and the prefetch of the
+    next computation give the bytes of the scheduler without streaming, on a local RPC server's device."""
+    source = Path(re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", (rpc_build / "CMakeCache.txt").read_text(),
+                            flags=re.M).group(1))
+    binary = tmp_path / "test-backend-sched"
+    cxx = os.environ.get("CXX", "c++")
+    build = subprocess.run([cxx, "-std=c++17", "-O1", str(source / "tests" / "test-backend-sched.cpp"), "-o", str(binary),
+                            f"-I{source / 'ggml' / 'include'}", f"-L{rpc_build / 'bin'}", "-lggml", "-lggml-base",
+                            f"-Wl,-rpath,{rpc_build / 'bin'}"], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    child = ("import subprocess, sys\n"
+             "sys.path.insert(0, 'scripts')\n"
+             "from gpu_check import rpc_servers\n"
+             "with rpc_servers(1) as endpoints:\n"
+             "    sys.exit(subprocess.run([sys.argv[1], '--rpc', endpoints[0]], timeout=300).returncode)\n")
+    run = subprocess.run([sys.executable, "-c", child, str(binary)], cwd=ROOT, capture_output=True, text=True,
+                         env=rpc_env(rpc_build), timeout=600)
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("OK"), run.stdout[-2000:] + run.stderr[-2000:]
+    assert "device: RPC0" in run.stdout
 
 
 def test_layer_split_is_bit_exact_without_streaming(rpc_build):
