@@ -12,6 +12,7 @@
 #   scripts/h200_session.sh OUTDIR params   # headinfer_stream / headinfer_attn as parameters: exactness, decode, splits (~3 min)
 #   scripts/h200_session.sh OUTDIR pin      # a pin's checks: gpu_check, test-backend-ops, test-llama-archs, 32K decode (~3 min)
 #   scripts/h200_session.sh OUTDIR writeback # host stores written back from the device: exactness, decode 8K-128K, buffers, host time (~5 min)
+#   scripts/h200_session.sh OUTDIR sched    # tests/test-backend-sched on CUDA0, decode at 32K (f 0.75, -r 3) and 128K (f 0.25) (~3 min)
 #
 # PYLLAMA_HEADINFER_PIN picks the pin (its build directory is build/cuda-sm90-<pin> for a pin other than the
 # default); HI_CARRY names the carried directory of source archives (default .gpu-carry; the device carries
@@ -22,8 +23,8 @@
 # cffi, pycparser and gguf for the machine's python3 (the device tool's README says how).
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback}
-part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback}
+out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback|sched}
+part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback|sched}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -58,6 +59,13 @@ for r in json.loads(text[text.index("["):]) if "[" in text else []:
     print(f"| {r['type_k']}/{r['type_v']} | hgf {r.get('headinfer_gpu_heads_frac', 1):g} | depth {r['n_depth']} "
           f"| p {r['n_prompt']} n {r['n_gen']} ub {r['n_ubatch']} | {r['avg_ts']:.2f} tok/s |")
 EOF
+}
+
+exactness_streamed_and_not() {  # gpu_check with fusion off, streamed (the default) and not, into gpu_check.txt
+    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
+    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
+    { echo "== --stream off"; tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --stream off \
+          --types f16 --fracs 0.5 2>&1 | tail -3; } >> "$out/gpu_check.txt"
 }
 
 case $part in
@@ -201,10 +209,7 @@ pin)
 params)
     # issue 29.3/29.8: streaming is opt-in (llama_context_params.headinfer_stream), the per-part attention a parameter
     # (headinfer_attn): exactness with fusion off for the default and streaming off, decode at 32K per mode, splits
-    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
-    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
-    { echo "== --stream off"; tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --stream off \
-          --types f16 --fracs 0.5 2>&1 | tail -3; } >> "$out/gpu_check.txt"
+    exactness_streamed_and_not
     { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/params.err" 2>&1
     mkdir -p "$out/json"
     lb dec_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 32768 -p 0 -n 32 -r 2
@@ -239,10 +244,7 @@ slots)
 writeback)
     # issue 29.1: the host stores of each layer written back from the device (patches 0023, 0024): exactness with
     # fusion off (streamed and not), the decode table of the issue, compute buffers at n_ubatch 2048, host time per step
-    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
-    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
-    { echo "== --stream off"; tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --stream off \
-          --types f16 --fracs 0.5 2>&1 | tail -3; } >> "$out/gpu_check.txt"
+    exactness_streamed_and_not
     { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/wb.err" 2>&1
     mkdir -p "$out/json"
     lb dec_8k_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 2
@@ -256,5 +258,20 @@ writeback)
     python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
     tar czf "$out/raw.tgz" -C "$out" json bench.err wb.err 2>/dev/null
     rm -rf "$out/json" "$out/bench.err" "$out/wb.err"
+    ;;
+sched)
+    # the series' scheduler test (ggml only, compiled against the build's libraries as tests/test_multi_device.py
+    # does), then the two figures of issue 29's table below its targets, repeated
+    src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$bdir/CMakeCache.txt")
+    { c++ -std=c++17 -O1 "$src/tests/test-backend-sched.cpp" -o /tmp/test-backend-sched -I"$src/ggml/include" \
+          -L"$bdir/bin" -lggml -lggml-base -Wl,-rpath,"$bdir/bin" && tl /tmp/test-backend-sched -d CUDA0; } \
+        > "$out/test_backend_sched.txt" 2>&1
+    echo "test-backend-sched exit $?" >> "$out/test_backend_sched.txt"
+    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/sched.err" 2>&1
+    mkdir -p "$out/json"
+    lb dec_32k_r3 -ctk f16 -ctv f16 -hgf 1,0.75 -d 32768 -p 0 -n 32 -r 3
+    lb dec_128k_r2 -ctk f16 -ctv f16 -hgf 1,0.25 -d 131072 -p 0 -n 16 -r 2 -ub 2048
+    tar czf "$out/raw.tgz" -C "$out" json bench.err sched.err 2>/dev/null
+    rm -rf "$out/json" "$out/bench.err" "$out/sched.err"
     ;;
 esac
