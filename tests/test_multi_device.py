@@ -285,7 +285,8 @@ def test_a_state_read_replaces_prefetched_host_heads(rpc_build, gguf_models):
 def test_scheduler_streaming_test(rpc_build, tmp_path):
     """The series' own scheduler test, written for upstream (tests/test-backend-sched.cpp, ggml only; compiled here
     against the RPC build's libraries): streamed inputs, stores written back from the device and the prefetch of the
-    next computation give the bytes of the scheduler without streaming, on a local RPC server's device."""
+    next computation give the bytes of the scheduler without streaming, on a local RPC server's device, and
+    ggml_backend_sched_reserve_size() predicts the compute buffer that is allocated (patch 0029)."""
     source = Path(re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", (rpc_build / "CMakeCache.txt").read_text(),
                             flags=re.M).group(1))
     binary = tmp_path / "test-backend-sched"
