@@ -283,6 +283,7 @@ def test_resolve_text_uses_what_is_recorded_and_keeps_the_rest(tmp_path):
 B11549_VERDICTS = {  # the b11312 series 3-way onto b11549, no resolutions (docs/PATCHES.md); every other patch: clean
     "0007": "CONFLICT", "0011": "CONFLICT", "0013": "CONFLICT", "0016": "merged", "0018": "CONFLICT",
     "0019": "CONFLICT", "0020": "merged", "0021": "CONFLICT",
+    "0023": "CONFLICT",  # declares ggml_backend_sched_get_stream() next to 0018's set_stream, which conflicts there
 }
 
 
