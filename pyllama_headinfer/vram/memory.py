@@ -330,7 +330,9 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
     * a split layer's converted rows of the host heads, T rows of its host
       K and V, alive until the layer's host stores after its attention
       (patch 0024; written back from the device when streamed, patch 0023):
-      one layer's at a time, the largest.
+      one layer's at a time, the largest. Like the staging buffer, this
+      assumes streaming (CUDA's default); without it the stores run at the
+      end of the graph and every layer's rows wait for them.
 
     Not included:
     the CUDA context, cuBLAS workspaces and the CUDA memory pool (outside
