@@ -176,11 +176,12 @@ def test_host_heads_are_copied_one_layer_at_a_time(rpc_build, tmp_path):
             (split0, splits0, mib0), (split1, splits1, mib1) = report[1.0], report[0.5]
             assert split0 == 0 and split1 == n_layer
             if no_stream:
-                # a cut before each layer's host heads but the first (patch 0017), and the host stores last
-                assert splits1 == splits0 + n_layer, report
+                # a cut before each layer's host heads, the first layer's too (the scheduler's cut at the first read
+                # of host memory, patch 0017), and the host stores last
+                assert splits1 == splits0 + n_layer + 1, report
             else:
                 # the same cuts, and no host split: the scheduler writes the stores back from the device
-                assert splits1 == splits0 + n_layer - 1, report
+                assert splits1 == splits0 + n_layer, report
             growth[no_stream, n_layer] = mib1 - mib0
         assert growth[no_stream, 3] > 0 and growth[no_stream, 3] <= 3 * 16, growth
     # not streamed, only the rows waiting for the stores at the end grow with the layers; streamed, nothing does
@@ -198,7 +199,18 @@ def test_host_stores_are_written_back_with_one_kv_stream_per_sequence(rpc_build,
     report = graph_report(rpc_build, gguf_models["llama-gqa"], 4096, False, n_streams=2)
     (split0, splits0, _), (split1, splits1, _) = report[1.0], report[0.5]
     assert split0 == 0 and split1 == 3
-    assert splits1 == splits0 + split1 - 1, report
+    assert splits1 == splits0 + split1, report
+
+
+def test_sliding_window_layers_read_their_host_heads_in_splits_of_their_own(rpc_build, gguf_models):
+    """iSWA (gemma3: a sliding-window layer's KV is 16 cells padded, a global layer's 4096): every split layer's host
+    heads are read in a split of its own, the small ones too, and the first split layer's in a split that starts at
+    their first reader. (A cut by bytes, at most two of the graph's largest inputs per split, copied several small
+    layers' heads with a global layer's K, and their attention waited for it.)"""
+    report = graph_report(rpc_build, gguf_models["gemma3-iswa"], 4096, False)
+    (split0, splits0, _), (split1, splits1, _) = report[1.0], report[0.5]
+    assert split0 == 0 and split1 == 4
+    assert splits1 == splits0 + split1, report
 
 
 # decodes one token in each of two sequences far from full on one RPC device and prints the bytes that each streamed
