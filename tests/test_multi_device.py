@@ -213,21 +213,23 @@ def test_sliding_window_layers_read_their_host_heads_in_splits_of_their_own(rpc_
     assert splits1 == splits0 + split1, report
 
 
-# decodes one token in each of two sequences far from full on one RPC device and prints the bytes that each streamed
-# split copies (the scheduler's GGML_SCHED_DEBUG=1 line: "split #i streams N bytes into slot s (S bytes)")
+# fills the sequences given (argv[2], e.g. "0,1") of a context with one KV stream per sequence far from full on one
+# RPC device, decodes one token in each in one batch and prints the bytes that each streamed split copies (the
+# scheduler's GGML_SCHED_DEBUG=1 line: "split #i streams N bytes into slot s (S bytes)")
 STREAMED_BYTES_CHILD = r"""
 import re, sys
 sys.path.insert(0, "scripts")
 from gpu_check import rpc_servers
 from pyllama_headinfer.llama import Context, Model, rpc_add_server
 from pyllama_headinfer.runtime.log import capture_log
+seqs = [int(s) for s in sys.argv[2].split(",")]
 with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
-    with Context(model, n_ctx=2048, n_seq_max=2, kv_unified=False, flash_attn=True, n_batch=64,
-                 headinfer_gpu_heads_frac=0.5, headinfer_stream="any") as ctx:
-        ctx.decode(list(range(10, 50)), seq_id=0)
-        ctx.decode(list(range(10, 30)), seq_id=1)
+    with Context(model, n_ctx=1024 * (max(seqs) + 1), n_seq_max=max(seqs) + 1, kv_unified=False, flash_attn=True,
+                 n_batch=64, headinfer_gpu_heads_frac=0.5, headinfer_stream="any") as ctx:
+        for i, seq in enumerate(seqs):
+            ctx.decode(list(range(10, 50 - 20 * (i % 2))), seq_id=seq)
         with capture_log() as log:
-            ctx.decode_batch({0: [7], 1: [8]})
+            ctx.decode_batch({seq: [7 + seq] for seq in seqs})
 for _, text in log:
     m = re.search(r"split #\d+ streams (\d+) bytes into slot \d \((\d+) bytes\)", text)
     if m:
@@ -243,7 +245,7 @@ def test_streamed_host_heads_skip_the_cells_between_kv_streams(rpc_build, gguf_m
     env = rpc_env(rpc_build)
     env.update(GGML_SCHED_DEBUG="1")
     env[FORCE_SPLIT] = "1"
-    run = subprocess.run([sys.executable, "-c", STREAMED_BYTES_CHILD, str(gguf_models["llama-gqa"])], cwd=ROOT,
+    run = subprocess.run([sys.executable, "-c", STREAMED_BYTES_CHILD, str(gguf_models["llama-gqa"]), "0,1"], cwd=ROOT,
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     splits = [tuple(map(int, line.split())) for line in run.stdout.splitlines()]
@@ -255,6 +257,24 @@ def test_streamed_host_heads_skip_the_cells_between_kv_streams(rpc_build, gguf_m
     for streamed, slot in splits:
         assert streamed == 2 * 2 * n_kv * row, splits
         assert slot >= 2 * (n_cells + n_kv) * row, splits  # the copies keep the views' layout in the slot
+
+
+def test_streams_of_sequences_not_in_the_ubatch_are_not_streamed(rpc_build, gguf_models):
+    """Sequences 0 and 2 of three, one KV stream each, decoded in one batch: llama.cpp splits a batch over several KV
+    streams into ubatches of consecutive sequences (llama_batch_allocr::split_equal, sequential), so the two go in
+    two ubatches and each streams its own stream's cells only; stream 1, between them, is never copied (issue 29.7:
+    a ubatch's view [s0, s1] never spans a stream that is not in it)."""
+    env = rpc_env(rpc_build)
+    env.update(GGML_SCHED_DEBUG="1")
+    env[FORCE_SPLIT] = "1"
+    run = subprocess.run([sys.executable, "-c", STREAMED_BYTES_CHILD, str(gguf_models["llama-gqa"]), "0,2"], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    splits = [tuple(map(int, line.split())) for line in run.stdout.splitlines()]
+    # two ubatches of 3 split layers, each copying K and V of n_kv = 256 cells of one stream, 256-byte rows
+    row, n_kv = 256, 256
+    assert len(splits) == 2 * 3, run.stdout
+    assert all(streamed == 2 * n_kv * row for streamed, _ in splits), splits
 
 
 # one context on one RPC device, the decode graph reused from token to token: the scheduler prefetches the first split
