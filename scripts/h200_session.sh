@@ -13,6 +13,8 @@
 #   scripts/h200_session.sh OUTDIR pin      # a pin's checks: gpu_check, test-backend-ops, test-llama-archs, 32K decode (~3 min)
 #   scripts/h200_session.sh OUTDIR writeback # host stores written back from the device: exactness, decode 8K-128K, buffers, host time (~5 min)
 #   scripts/h200_session.sh OUTDIR sched    # tests/test-backend-sched on CUDA0, decode at 32K (f 0.75, -r 3) and 128K (f 0.25) (~3 min)
+#   scripts/h200_session.sh OUTDIR hygiene  # exactness (fusion off, streamed and not), test-backend-ops + CONCAT perf, test-backend-sched (~4 min)
+#   scripts/h200_session.sh OUTDIR table    # issue 29's decode table (8K/32K -r 2, 128K) and compute buffers at n_ubatch 2048 (~5 min)
 #
 # PYLLAMA_HEADINFER_PIN picks the pin (its build directory is build/cuda-sm90-<pin> for a pin other than the
 # default); HI_CARRY names the carried directory of source archives (default .gpu-carry; the device carries
@@ -258,6 +260,36 @@ writeback)
     python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
     tar czf "$out/raw.tgz" -C "$out" json bench.err wb.err 2>/dev/null
     rm -rf "$out/json" "$out/bench.err" "$out/wb.err"
+    ;;
+hygiene)
+    # issue 29 items 2, 6 and 9 (the cut at the first read of host memory, the split layers' nodes kept in the memory
+    # context, set_rows of same-type rows on CUDA, concat's cases): exactness with fusion off, streamed and not; the
+    # ops the series touches; concat's perf cases; the scheduler test on CUDA0
+    exactness_streamed_and_not
+    for op in SET_ROWS CONCAT CPY GET_ROWS; do
+        echo "== test-backend-ops -o $op -b CUDA0"
+        tl "$bdir/bin/test-backend-ops" -o "$op" -b CUDA0 2>&1 | grep -E "FAIL|passed|Backend" | tail -4
+    done > "$out/test_backend_ops.txt" 2>&1
+    { echo "== test-backend-ops perf -o CONCAT -b CUDA0"; tl "$bdir/bin/test-backend-ops" perf -o CONCAT -b CUDA0 2>&1 | grep -v "^ggml_cuda_init\|Device 0"; } \
+        > "$out/concat_perf.txt" 2>&1
+    src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$bdir/CMakeCache.txt")
+    { c++ -std=c++17 -O1 "$src/tests/test-backend-sched.cpp" -o /tmp/test-backend-sched -I"$src/ggml/include" \
+          -L"$bdir/bin" -lggml -lggml-base -Wl,-rpath,"$bdir/bin" && tl /tmp/test-backend-sched -d CUDA0; } \
+        > "$out/test_backend_sched.txt" 2>&1
+    echo "test-backend-sched exit $?" >> "$out/test_backend_sched.txt"
+    ;;
+table)
+    # issue 29's table: decode at 8K/32K (-r 2) and 128K, and the compute buffers at n_ubatch 2048
+    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/table.err" 2>&1
+    mkdir -p "$out/json"
+    lb dec_8k_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 2
+    { echo "== python3 scripts/graph_splits.py --ubatch 2048 --ctx 8192,32768,131072 --fracs 1,0.5,0.25"
+      tl python3 scripts/graph_splits.py --model "$model" --ubatch 2048 --ctx 8192,32768,131072 --fracs 1,0.5,0.25; } \
+        > "$out/splits.txt" 2>> "$out/table.err"
+    lb dec_128k -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
+    python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
+    tar czf "$out/raw.tgz" -C "$out" json bench.err table.err 2>/dev/null
+    rm -rf "$out/json" "$out/bench.err" "$out/table.err"
     ;;
 sched)
     # the series' scheduler test (ggml only, compiled against the build's libraries as tests/test_multi_device.py
