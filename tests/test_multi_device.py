@@ -277,6 +277,46 @@ def test_streams_of_sequences_not_in_the_ubatch_are_not_streamed(rpc_build, gguf
     assert all(streamed == 2 * n_kv * row for streamed, _ in splits), splits
 
 
+# the inputs of each split of one decode step over two KV streams on one RPC device (GGML_SCHED_DEBUG=2's
+# "## SPLIT #i: BACKEND # n inputs:[name (size)]...")
+SPLIT_INPUTS_CHILD = r"""
+import re, sys
+sys.path.insert(0, "scripts")
+from gpu_check import rpc_servers
+from pyllama_headinfer.llama import Context, Model, rpc_add_server
+from pyllama_headinfer.runtime.log import capture_log
+with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
+    with Context(model, n_ctx=2048, n_seq_max=2, kv_unified=False, flash_attn=True, n_batch=64,
+                 headinfer_gpu_heads_frac=0.5, headinfer_stream="any") as ctx:
+        ctx.decode(list(range(10, 50)), seq_id=0)
+        ctx.decode(list(range(10, 30)), seq_id=1)
+        with capture_log() as log:
+            ctx.decode_batch({0: [7], 1: [8]})
+text = "".join(t for _, t in log)
+for m in re.finditer(r"## SPLIT #(\d+): (\S+) # \d+ inputs(?::((?:\[[^]]*\])*))?", text):
+    print(m.group(1), m.group(2).split("[")[0], "|".join(re.findall(r"\[([^(]+?) \(", m.group(3) or "")))
+"""
+
+
+def test_index_views_are_copied_at_the_first_device_split(rpc_build, gguf_models):
+    """With one KV stream per sequence, every split layer reads the ubatch's cell indices through views of the index
+    inputs. Views of graph inputs are copied when the device's first split starts, as the inputs themselves (patch
+    0025): copied where they are first read, each copy of a later split would wait there for the device's work queued
+    before it (a synchronisation per layer on CUDA). The later splits copy only the host heads of their layer."""
+    env = rpc_env(rpc_build)
+    env.update(GGML_SCHED_DEBUG="2")
+    env[FORCE_SPLIT] = "1"
+    run = subprocess.run([sys.executable, "-c", SPLIT_INPUTS_CHILD, str(gguf_models["llama-gqa"])], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    splits = [line.split(" ", 2) for line in run.stdout.splitlines()]
+    device = [(i, inputs.split("|")) for i, backend, inputs in splits if backend.startswith("RPC")]
+    assert len(device) == 1 + 3, run.stdout  # the first device split, then one per split layer
+    assert sum("idxs" in name for name in device[0][1]) >= 2 * 3, run.stdout  # K and V indices of every layer
+    assert [inputs for _, inputs in device[1:]] == [[f"cache_k_host_l{il}", f"cache_v_host_l{il}"] for il in range(3)], \
+        run.stdout
+
+
 # one context on one RPC device, the decode graph reused from token to token: the scheduler prefetches the first split
 # layer's host heads for the next token (patch 0026); a state read into the same context replaces them (patch 0027)
 STATE_OVER_PREFETCH_CHILD = r"""
