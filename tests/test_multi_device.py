@@ -64,6 +64,18 @@ def gpu_check(rpc_build: Path, *args: str, stream: bool = True, attn: str = "joi
     return run_split_script(rpc_build, "gpu_check.py", "--rpc", "2", "--no-8b-heads", *args, stream=stream, attn=attn)
 
 
+def run_split_child(rpc_build: Path, child: str, *args: str, sched_debug: str = "") -> str:
+    """``python -c child *args`` with the RPC build, its layers split (and GGML_SCHED_DEBUG=sched_debug): its stdout."""
+    env = rpc_env(rpc_build)
+    if sched_debug:
+        env.update(GGML_SCHED_DEBUG=sched_debug)
+    env[FORCE_SPLIT] = "1"
+    run = subprocess.run([sys.executable, "-c", child, *args], cwd=ROOT, capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return run.stdout
+
+
 def test_layer_split_over_two_devices_is_bit_exact(rpc_build):
     run = gpu_check(rpc_build, "--types", "f16,q8_0", "--fracs", "0.5,0.25")
     out = run.stdout
@@ -242,18 +254,13 @@ def test_streamed_host_heads_skip_the_cells_between_kv_streams(rpc_build, gguf_m
     the first n_kv cells of both; the scheduler streams those cells of each stream, not the rest of the first stream
     that lies between them in host memory (patch 0018; the exactness with stale bytes in between is gpu_check's
     streams scenario, test_layer_split_over_two_devices_is_bit_exact)."""
-    env = rpc_env(rpc_build)
-    env.update(GGML_SCHED_DEBUG="1")
-    env[FORCE_SPLIT] = "1"
-    run = subprocess.run([sys.executable, "-c", STREAMED_BYTES_CHILD, str(gguf_models["llama-gqa"]), "0,1"], cwd=ROOT,
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    splits = [tuple(map(int, line.split())) for line in run.stdout.splitlines()]
+    stdout = run_split_child(rpc_build, STREAMED_BYTES_CHILD, str(gguf_models["llama-gqa"]), "0,1", sched_debug="1")
+    splits = [tuple(map(int, line.split())) for line in stdout.splitlines()]
     # llama-gqa: 3 layers of 4 KV heads x 64, f16; at frac 0.5 each row of the host heads is 2 x 64 x 2 = 256 bytes.
     # n_kv is 256 (the attention's padding; both sequences use fewer cells), each stream has 1024 cells: K and V of
     # both streams' first 256 cells are streamed, not the 1024 + 256 cells that the views span
     row, n_kv, n_cells = 256, 256, 1024
-    assert len(splits) == 3, run.stdout
+    assert len(splits) == 3, stdout
     for streamed, slot in splits:
         assert streamed == 2 * 2 * n_kv * row, splits
         assert slot >= 2 * (n_cells + n_kv) * row, splits  # the copies keep the views' layout in the slot
@@ -264,16 +271,11 @@ def test_streams_of_sequences_not_in_the_ubatch_are_not_streamed(rpc_build, gguf
     streams into ubatches of consecutive sequences (llama_batch_allocr::split_equal, sequential), so the two go in
     two ubatches and each streams its own stream's cells only; stream 1, between them, is never copied (issue 29.7:
     a ubatch's view [s0, s1] never spans a stream that is not in it)."""
-    env = rpc_env(rpc_build)
-    env.update(GGML_SCHED_DEBUG="1")
-    env[FORCE_SPLIT] = "1"
-    run = subprocess.run([sys.executable, "-c", STREAMED_BYTES_CHILD, str(gguf_models["llama-gqa"]), "0,2"], cwd=ROOT,
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    splits = [tuple(map(int, line.split())) for line in run.stdout.splitlines()]
+    stdout = run_split_child(rpc_build, STREAMED_BYTES_CHILD, str(gguf_models["llama-gqa"]), "0,2", sched_debug="1")
+    splits = [tuple(map(int, line.split())) for line in stdout.splitlines()]
     # two ubatches of 3 split layers, each copying K and V of n_kv = 256 cells of one stream, 256-byte rows
     row, n_kv = 256, 256
-    assert len(splits) == 2 * 3, run.stdout
+    assert len(splits) == 2 * 3, stdout
     assert all(streamed == 2 * n_kv * row for streamed, _ in splits), splits
 
 
@@ -303,18 +305,13 @@ def test_index_views_are_copied_at_the_first_device_split(rpc_build, gguf_models
     inputs. Views of graph inputs are copied when the device's first split starts, as the inputs themselves (patch
     0025): copied where they are first read, each copy of a later split would wait there for the device's work queued
     before it (a synchronisation per layer on CUDA). The later splits copy only the host heads of their layer."""
-    env = rpc_env(rpc_build)
-    env.update(GGML_SCHED_DEBUG="2")
-    env[FORCE_SPLIT] = "1"
-    run = subprocess.run([sys.executable, "-c", SPLIT_INPUTS_CHILD, str(gguf_models["llama-gqa"])], cwd=ROOT,
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    splits = [line.split(" ", 2) for line in run.stdout.splitlines()]
+    stdout = run_split_child(rpc_build, SPLIT_INPUTS_CHILD, str(gguf_models["llama-gqa"]), sched_debug="2")
+    splits = [line.split(" ", 2) for line in stdout.splitlines()]
     device = [(i, inputs.split("|")) for i, backend, inputs in splits if backend.startswith("RPC")]
-    assert len(device) == 1 + 3, run.stdout  # the first device split, then one per split layer
-    assert sum("idxs" in name for name in device[0][1]) >= 2 * 3, run.stdout  # K and V indices of every layer
+    assert len(device) == 1 + 3, stdout  # the first device split, then one per split layer
+    assert sum("idxs" in name for name in device[0][1]) >= 2 * 3, stdout  # K and V indices of every layer
     assert [inputs for _, inputs in device[1:]] == [[f"cache_k_host_l{il}", f"cache_v_host_l{il}"] for il in range(3)], \
-        run.stdout
+        stdout
 
 
 # one context on one RPC device, the decode graph reused from token to token: the scheduler prefetches the first split
@@ -347,12 +344,8 @@ def test_a_state_read_replaces_prefetched_host_heads(rpc_build, gguf_models):
     """The host heads of the first split layer, prefetched for the next token while the device finishes this one
     (patch 0026), are discarded when a state is read into the context (patch 0027): the next token sees the state's
     rows, bit for bit as when the state was saved."""
-    env = rpc_env(rpc_build)
-    env[FORCE_SPLIT] = "1"
-    run = subprocess.run([sys.executable, "-c", STATE_OVER_PREFETCH_CHILD, str(gguf_models["llama-gqa"])], cwd=ROOT,
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    assert run.stdout.split()[-1] == "identical", run.stdout[-2000:]
+    stdout = run_split_child(rpc_build, STATE_OVER_PREFETCH_CHILD, str(gguf_models["llama-gqa"]))
+    assert stdout.split()[-1] == "identical", stdout[-2000:]
 
 
 def test_scheduler_streaming_test(rpc_build, tmp_path):
