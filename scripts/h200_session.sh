@@ -70,6 +70,16 @@ exactness_streamed_and_not() {  # gpu_check with fusion off, streamed (the defau
           --types f16 --fracs 0.5 2>&1 | tail -3; } >> "$out/gpu_check.txt"
 }
 
+scheduler_test() {  # the series' scheduler test (ggml only) on CUDA0, compiled against the build's libraries as
+                    # tests/test_multi_device.py does, into test_backend_sched.txt
+    local src
+    src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$bdir/CMakeCache.txt")
+    { c++ -std=c++17 -O1 "$src/tests/test-backend-sched.cpp" -o /tmp/test-backend-sched -I"$src/ggml/include" \
+          -L"$bdir/bin" -lggml -lggml-base -Wl,-rpath,"$bdir/bin" && tl /tmp/test-backend-sched -d CUDA0; } \
+        > "$out/test_backend_sched.txt" 2>&1
+    echo "test-backend-sched exit $?" >> "$out/test_backend_sched.txt"
+}
+
 case $part in
 build)  # HI_BUILD_TESTS=0: the library and tools only (no test-backend-ops etc., ~40 s less)
     if [ "${HI_BUILD_TESTS:-1}" = 0 ]; then
@@ -272,11 +282,7 @@ hygiene)
     done > "$out/test_backend_ops.txt" 2>&1
     { echo "== test-backend-ops perf -o CONCAT -b CUDA0"; tl "$bdir/bin/test-backend-ops" perf -o CONCAT -b CUDA0 2>&1 | grep -v "^ggml_cuda_init\|Device 0"; } \
         > "$out/concat_perf.txt" 2>&1
-    src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$bdir/CMakeCache.txt")
-    { c++ -std=c++17 -O1 "$src/tests/test-backend-sched.cpp" -o /tmp/test-backend-sched -I"$src/ggml/include" \
-          -L"$bdir/bin" -lggml -lggml-base -Wl,-rpath,"$bdir/bin" && tl /tmp/test-backend-sched -d CUDA0; } \
-        > "$out/test_backend_sched.txt" 2>&1
-    echo "test-backend-sched exit $?" >> "$out/test_backend_sched.txt"
+    scheduler_test
     ;;
 table)
     # issue 29's table: decode at 8K/32K (-r 2) and 128K, and the compute buffers at n_ubatch 2048
@@ -294,11 +300,7 @@ table)
 sched)
     # the series' scheduler test (ggml only, compiled against the build's libraries as tests/test_multi_device.py
     # does), then the two figures of issue 29's table below its targets, repeated
-    src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$bdir/CMakeCache.txt")
-    { c++ -std=c++17 -O1 "$src/tests/test-backend-sched.cpp" -o /tmp/test-backend-sched -I"$src/ggml/include" \
-          -L"$bdir/bin" -lggml -lggml-base -Wl,-rpath,"$bdir/bin" && tl /tmp/test-backend-sched -d CUDA0; } \
-        > "$out/test_backend_sched.txt" 2>&1
-    echo "test-backend-sched exit $?" >> "$out/test_backend_sched.txt"
+    scheduler_test
     { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/sched.err" 2>&1
     mkdir -p "$out/json"
     lb dec_32k_r3 -ctk f16 -ctv f16 -hgf 1,0.75 -d 32768 -p 0 -n 32 -r 3
