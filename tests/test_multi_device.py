@@ -226,10 +226,10 @@ def test_sliding_window_layers_read_their_host_heads_in_splits_of_their_own(rpc_
 
 
 # fills the sequences given (argv[2], e.g. "0,1") of a context with one KV stream per sequence far from full on one
-# RPC device, decodes one token in each in one batch and prints the bytes that each streamed split copies (the
-# scheduler's GGML_SCHED_DEBUG=1 line: "split #i streams N bytes into slot s (S bytes)")
-STREAMED_BYTES_CHILD = r"""
-import re, sys
+# RPC device, decodes one token in each in one batch and prints what llama.cpp logged meanwhile (with GGML_SCHED_DEBUG,
+# the scheduler's splits and streamed copies: see streamed_bytes and split_inputs)
+DECODE_STREAMS_CHILD = r"""
+import sys
 sys.path.insert(0, "scripts")
 from gpu_check import rpc_servers
 from pyllama_headinfer.llama import Context, Model, rpc_add_server
@@ -242,11 +242,22 @@ with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rp
             ctx.decode(list(range(10, 50 - 20 * (i % 2))), seq_id=seq)
         with capture_log() as log:
             ctx.decode_batch({seq: [7 + seq] for seq in seqs})
-for _, text in log:
-    m = re.search(r"split #\d+ streams (\d+) bytes into slot \d \((\d+) bytes\)", text)
-    if m:
-        print(m.group(1), m.group(2))
+print("".join(text for _, text in log))
 """
+
+
+def streamed_bytes(log: str) -> list[tuple[int, int]]:
+    """(bytes streamed, slot size) of each streamed split (GGML_SCHED_DEBUG=1: "split #i streams N bytes into slot s
+    (S bytes)")."""
+    pattern = r"split #\d+ streams (\d+) bytes into slot \d \((\d+) bytes\)"
+    return [(int(n), int(size)) for n, size in re.findall(pattern, log)]
+
+
+def split_inputs(log: str) -> list[tuple[str, list[str]]]:
+    """(backend, names of the inputs) of each split (GGML_SCHED_DEBUG=2: "## SPLIT #i: BACKEND # n inputs:[name
+    (size)]...")."""
+    return [(backend.split("[")[0], re.findall(r"\[([^(]+?) \(", inputs or ""))
+            for backend, inputs in re.findall(r"## SPLIT #\d+: (\S+) # \d+ inputs(?::((?:\[[^]]*\])*))?", log)]
 
 
 def test_streamed_host_heads_skip_the_cells_between_kv_streams(rpc_build, gguf_models):
@@ -254,8 +265,8 @@ def test_streamed_host_heads_skip_the_cells_between_kv_streams(rpc_build, gguf_m
     the first n_kv cells of both; the scheduler streams those cells of each stream, not the rest of the first stream
     that lies between them in host memory (patch 0018; the exactness with stale bytes in between is gpu_check's
     streams scenario, test_layer_split_over_two_devices_is_bit_exact)."""
-    stdout = run_split_child(rpc_build, STREAMED_BYTES_CHILD, str(gguf_models["llama-gqa"]), "0,1", sched_debug="1")
-    splits = [tuple(map(int, line.split())) for line in stdout.splitlines()]
+    stdout = run_split_child(rpc_build, DECODE_STREAMS_CHILD, str(gguf_models["llama-gqa"]), "0,1", sched_debug="1")
+    splits = streamed_bytes(stdout)
     # llama-gqa: 3 layers of 4 KV heads x 64, f16; at frac 0.5 each row of the host heads is 2 x 64 x 2 = 256 bytes.
     # n_kv is 256 (the attention's padding; both sequences use fewer cells), each stream has 1024 cells: K and V of
     # both streams' first 256 cells are streamed, not the 1024 + 256 cells that the views span
@@ -271,33 +282,12 @@ def test_streams_of_sequences_not_in_the_ubatch_are_not_streamed(rpc_build, gguf
     streams into ubatches of consecutive sequences (llama_batch_allocr::split_equal, sequential), so the two go in
     two ubatches and each streams its own stream's cells only; stream 1, between them, is never copied (issue 29.7:
     a ubatch's view [s0, s1] never spans a stream that is not in it)."""
-    stdout = run_split_child(rpc_build, STREAMED_BYTES_CHILD, str(gguf_models["llama-gqa"]), "0,2", sched_debug="1")
-    splits = [tuple(map(int, line.split())) for line in stdout.splitlines()]
+    stdout = run_split_child(rpc_build, DECODE_STREAMS_CHILD, str(gguf_models["llama-gqa"]), "0,2", sched_debug="1")
+    splits = streamed_bytes(stdout)
     # two ubatches of 3 split layers, each copying K and V of n_kv = 256 cells of one stream, 256-byte rows
     row, n_kv = 256, 256
     assert len(splits) == 2 * 3, stdout
     assert all(streamed == 2 * n_kv * row for streamed, _ in splits), splits
-
-
-# the inputs of each split of one decode step over two KV streams on one RPC device (GGML_SCHED_DEBUG=2's
-# "## SPLIT #i: BACKEND # n inputs:[name (size)]...")
-SPLIT_INPUTS_CHILD = r"""
-import re, sys
-sys.path.insert(0, "scripts")
-from gpu_check import rpc_servers
-from pyllama_headinfer.llama import Context, Model, rpc_add_server
-from pyllama_headinfer.runtime.log import capture_log
-with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
-    with Context(model, n_ctx=2048, n_seq_max=2, kv_unified=False, flash_attn=True, n_batch=64,
-                 headinfer_gpu_heads_frac=0.5, headinfer_stream="any") as ctx:
-        ctx.decode(list(range(10, 50)), seq_id=0)
-        ctx.decode(list(range(10, 30)), seq_id=1)
-        with capture_log() as log:
-            ctx.decode_batch({0: [7], 1: [8]})
-text = "".join(t for _, t in log)
-for m in re.finditer(r"## SPLIT #(\d+): (\S+) # \d+ inputs(?::((?:\[[^]]*\])*))?", text):
-    print(m.group(1), m.group(2).split("[")[0], "|".join(re.findall(r"\[([^(]+?) \(", m.group(3) or "")))
-"""
 
 
 def test_index_views_are_copied_at_the_first_device_split(rpc_build, gguf_models):
@@ -305,13 +295,11 @@ def test_index_views_are_copied_at_the_first_device_split(rpc_build, gguf_models
     inputs. Views of graph inputs are copied when the device's first split starts, as the inputs themselves (patch
     0025): copied where they are first read, each copy of a later split would wait there for the device's work queued
     before it (a synchronisation per layer on CUDA). The later splits copy only the host heads of their layer."""
-    stdout = run_split_child(rpc_build, SPLIT_INPUTS_CHILD, str(gguf_models["llama-gqa"]), sched_debug="2")
-    splits = [line.split(" ", 2) for line in stdout.splitlines()]
-    device = [(i, inputs.split("|")) for i, backend, inputs in splits if backend.startswith("RPC")]
+    stdout = run_split_child(rpc_build, DECODE_STREAMS_CHILD, str(gguf_models["llama-gqa"]), "0,1", sched_debug="2")
+    device = [inputs for backend, inputs in split_inputs(stdout) if backend.startswith("RPC")]
     assert len(device) == 1 + 3, stdout  # the first device split, then one per split layer
-    assert sum("idxs" in name for name in device[0][1]) >= 2 * 3, stdout  # K and V indices of every layer
-    assert [inputs for _, inputs in device[1:]] == [[f"cache_k_host_l{il}", f"cache_v_host_l{il}"] for il in range(3)], \
-        stdout
+    assert sum("idxs" in name for name in device[0]) >= 2 * 3, stdout  # K and V indices of every layer
+    assert device[1:] == [[f"cache_k_host_l{il}", f"cache_v_host_l{il}"] for il in range(3)], stdout
 
 
 # one context on one RPC device, the decode graph reused from token to token: the scheduler prefetches the first split
