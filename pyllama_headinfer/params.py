@@ -117,13 +117,25 @@ HEADINFER_STREAM_TYPES = {
 HEADINFER_ATTN_TYPES = {
     "joined": "LLAMA_HEADINFER_ATTN_JOINED",  # one attention over the joined heads: bit-identical to frac 1.0 (default)
     "parts": "LLAMA_HEADINFER_ATTN_PARTS",    # one attention per half, no join: the same values, another float order on CUDA
+    "chunked": "LLAMA_HEADINFER_ATTN_CHUNKED",  # every layer in chunks of KV cells merged exactly: the same for every frac
 }
+# KV cells per chunk with headinfer_attn = "chunked" (llama.h's LLAMA_HEADINFER_ATTN_CHUNK_DEFAULT when 0):
+# chunk boundaries fall on the KV cache's padding of 256 cells
+HEADINFER_ATTN_CHUNK_ALIGN = 256
 
 
 def check_choice(name: str, value, choices) -> str:
     """``value`` if it is one of ``choices`` (names); ValueError listing them otherwise."""
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+    return value
+
+
+def check_attn_chunk(value) -> int:
+    """``headinfer_attn_chunk``: 0 (the default) or a positive multiple of 256 KV cells; ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value % HEADINFER_ATTN_CHUNK_ALIGN:
+        raise ValueError(f"headinfer_attn_chunk must be 0 (the default) or a positive multiple of "
+                         f"{HEADINFER_ATTN_CHUNK_ALIGN} KV cells, got {value!r}")
     return value
 
 
@@ -152,7 +164,10 @@ class ContextParams:
     given: 1.0, HeadInfer off. Both given is an error, whatever the values.
     ``headinfer_stream`` (:data:`HEADINFER_STREAM_TYPES`) says how the host
     heads reach the device, ``headinfer_attn`` (:data:`HEADINFER_ATTN_TYPES`)
-    how a split layer's attention reads its two halves.
+    how a split layer's attention reads its two halves; with ``"chunked"``
+    every layer attends in chunks of ``headinfer_attn_chunk`` KV cells (a
+    multiple of 256; 0 = llama.cpp's default, 8192), merged exactly by their
+    log-sum-exps (needs flash attention; CPU only so far: docs/ARENA.md).
     """
 
     n_ctx: int = 512
@@ -171,6 +186,7 @@ class ContextParams:
     headinfer_vram_budget: Optional[Size] = None
     headinfer_stream: str = "gpu"
     headinfer_attn: str = "joined"
+    headinfer_attn_chunk: int = 0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise the checked values in place
@@ -197,6 +213,12 @@ class ContextParams:
         set_(self, "offload_kqv", bool(self.offload_kqv))
         check_choice("headinfer_stream", self.headinfer_stream, HEADINFER_STREAM_TYPES)
         check_choice("headinfer_attn", self.headinfer_attn, HEADINFER_ATTN_TYPES)
+        set_(self, "headinfer_attn_chunk", check_attn_chunk(self.headinfer_attn_chunk))
+        if self.headinfer_attn == "chunked" and self.flash_attn is False:
+            raise UsageError("headinfer_attn='chunked' needs flash attention (flash_attn=False given)")
+        if self.headinfer_attn_chunk and self.headinfer_attn != "chunked":
+            raise UsageError(f"headinfer_attn_chunk={self.headinfer_attn_chunk} applies to headinfer_attn='chunked' "
+                             f"only, got headinfer_attn={self.headinfer_attn!r}")
 
     @property
     def frac(self) -> float:

@@ -103,6 +103,8 @@ print(json.dumps({"version": llama_cpp.__version__, "available": llama_cpp.HEADI
                   "offset": llama_cpp.llama_context_params.headinfer_gpu_heads_frac.offset,
                   "stream": [p.headinfer_stream, llama_cpp.llama_context_params.headinfer_stream.offset],
                   "attn": [p.headinfer_attn, llama_cpp.llama_context_params.headinfer_attn.offset],
+                  "chunk": [p.headinfer_attn_chunk, llama_cpp.llama_context_params.headinfer_attn_chunk.offset,
+                            llama_cpp.LLAMA_HEADINFER_ATTN_CHUNKED],
                   "file": llama_cpp.__file__, "maps": sorted(set(maps))}))
 """, split=False)
     assert out["version"].startswith(f"{pin.PYTHON_LAYER_SDIST.version}+headinfer.")
@@ -112,6 +114,8 @@ print(json.dumps({"version": llama_cpp.__version__, "available": llama_cpp.HEADI
     assert out["offset"] == ffi.offsetof("struct llama_context_params", "headinfer_gpu_heads_frac")
     assert out["stream"] == [1, ffi.offsetof("struct llama_context_params", "headinfer_stream")]  # GPU by default
     assert out["attn"] == [0, ffi.offsetof("struct llama_context_params", "headinfer_attn")]  # joined
+    assert out["chunk"] == [0, ffi.offsetof("struct llama_context_params", "headinfer_attn_chunk"),
+                            _lib.LLAMA_HEADINFER_ATTN_CHUNKED]
     # the libraries come from the wheel (relocatable: $ORIGIN), not from the build directory
     site = str(Path(out["file"]).parent)
     assert out["maps"] and all(m.startswith(site + "/lib/") for m in out["maps"]), out["maps"]
@@ -159,13 +163,13 @@ def test_only_a_build_of_the_binding_s_pin_is_packed():
 
 def test_python_series_is_separate_and_applied(lcp):
     names = read_series_names(paths.python_patches_dir())
-    assert len(names) == 6 and all(n.endswith(".patch") for n in names)
+    assert len(names) == 7 and all(n.endswith(".patch") for n in names)
     assert not set(names) & set(read_series_names())  # the C series does not list them
     tree = build_dir() / "llama-cpp-python" / "src"
     result = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "patch", "status", "--series",
                              "llama-cpp-python", "--llama-src", str(tree)], cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
-    assert result.returncode == 0 and "APPLIED: all 6 patches" in result.stdout, result.stdout
+    assert result.returncode == 0 and "APPLIED: all 7 patches" in result.stdout, result.stdout
 
 
 # --------------------------------------------------------------------------

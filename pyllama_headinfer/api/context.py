@@ -122,6 +122,7 @@ class Context(Decoding, Sequences, StateIO, Handle):
         p.headinfer_gpu_heads_frac = frac
         p.headinfer_stream = getattr(lib, HEADINFER_STREAM_TYPES[params.headinfer_stream])
         p.headinfer_attn = getattr(lib, HEADINFER_ATTN_TYPES[params.headinfer_attn])
+        p.headinfer_attn_chunk = params.headinfer_attn_chunk
         if params.n_ctx > max(model.n_ctx_train, _HUGE_N_CTX):
             _check_kv_fits_the_machine(model, params, ffi, lib)
         with capture_log() as log:  # also for _report_split: llama.cpp's reasons for not splitting

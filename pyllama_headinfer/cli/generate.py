@@ -42,7 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 "--frac; see the plan command)")
     parser.add_argument("--headinfer-attn", choices=tuple(HEADINFER_ATTN_TYPES), default="joined",
                         help="HeadInfer: how a split layer's attention reads its two halves: joined (bit-identical "
-                             "to --frac 1.0; default) or parts (no join, another float order on CUDA)")
+                             "to --frac 1.0; default), parts (no join, another float order on CUDA) or chunked "
+                             "(every layer in chunks of KV cells merged exactly, the same for every --frac; "
+                             "another float order than joined)")
+    parser.add_argument("--headinfer-attn-chunk", type=int, default=0, metavar="CELLS",
+                        help="HeadInfer: KV cells per chunk with --headinfer-attn chunked, a multiple of 256 "
+                             "(default 0: llama.cpp's, 8192)")
     parser.add_argument("--headinfer-stream", choices=tuple(HEADINFER_STREAM_TYPES), default="gpu",
                         help="HeadInfer: copy the host heads one layer ahead on CUDA/HIP GPUs (gpu, default), when "
                              "their layer starts (off), or ahead on any async device (any: RPC, for tests)")
@@ -75,6 +80,7 @@ def context_params(args: argparse.Namespace) -> ContextParams:
                          flash_attn=args.flash_attn, type_k=args.cache_type_k or "f16",
                          type_v=args.cache_type_v or "f16", headinfer_gpu_heads_frac=args.frac,
                          headinfer_vram_budget=args.vram_budget, headinfer_attn=args.headinfer_attn,
+                         headinfer_attn_chunk=args.headinfer_attn_chunk,
                          headinfer_stream=args.headinfer_stream)
 
 

@@ -178,6 +178,7 @@ enum llama_headinfer_stream_type {
 enum llama_headinfer_attn_type {
     LLAMA_HEADINFER_ATTN_JOINED,
     LLAMA_HEADINFER_ATTN_PARTS,
+    LLAMA_HEADINFER_ATTN_CHUNKED,
     ...
 };
 
@@ -192,6 +193,7 @@ struct llama_context_params {
     float    headinfer_gpu_heads_frac;   /* HeadInfer (patch series) */
     enum llama_headinfer_stream_type headinfer_stream;
     enum llama_headinfer_attn_type   headinfer_attn;
+    uint32_t headinfer_attn_chunk;
     enum ggml_type type_k;
     enum ggml_type type_v;
     bool embeddings;

@@ -1,0 +1,126 @@
+"""Attention in chunks of KV cells (patch 0032, ``headinfer_attn="chunked"``; issue 30).
+
+Every layer attends in chunks of ``headinfer_attn_chunk`` cells, merged by
+their log-sum-exps (``ggml_flash_attn_ext_lse``, patch 0031). The chunks are
+the same for every head fraction, so within the mode every fraction gives
+frac 1.0's bits (``LLAMA_HEADINFER_FORCE_SPLIT=1`` splits on the CPU); against
+one attention (the joined heads) it is another float order, measured here by
+``scripts/attn_parts_compare.py --mode chunked`` and bounded, and exactly the
+same when the context fits in one chunk.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from testing_models import FORCE_SPLIT
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compare(chunk: int, depth: int) -> list[tuple[str, str]]:
+    """(vs joined, vs chunked at frac 1.0) for every model x KV type x fraction of the comparison script."""
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "attn_parts_compare.py"), "--no-8b-heads",
+                          "--mode", "chunked", "--chunk", str(chunk), "--depth", str(depth), "--steps", "8",
+                          "--fracs", "0.75,0.5,0.25", "--types", "f16,q8_0"],
+                         cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, **{FORCE_SPLIT: "1"}), timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line for line in run.stdout.splitlines()[1:] if line.strip()]
+    assert len(rows) == 3 * 2 * 3, run.stdout  # models x KV types x fractions
+    # "model kv frac  <vs joined> / <vs chunked at frac 1.0>"
+    return [tuple(re.match(r"\S+\s+\S+\s+\S+\s+(.*) / (.*)$", row).groups()) for row in rows]
+
+
+def test_chunks_give_frac_1s_bits_at_every_fraction_and_stay_close_to_one_attention(built):
+    # 600 prompt tokens + 8 steps in chunks of 256 cells: three chunks per layer
+    for vs_joined, vs_frac_1 in _compare(chunk=256, depth=600):
+        assert vs_frac_1 == "identical max|d| 0 greedy agreement 100.0%", vs_frac_1
+        assert vs_joined.startswith("differs"), vs_joined  # the chunks are really there: another float order
+        delta = float(re.search(r"max\|d\| (\S+)", vs_joined).group(1))
+        assert delta < 0.1, vs_joined  # a wrong merge (a chunk lost or counted twice) moves logits by O(1)
+
+
+def test_one_chunk_is_one_attention(built):
+    """A context within one chunk: the attention with its log-sum-exp gives the same bits as without."""
+    for vs_joined, vs_frac_1 in _compare(chunk=1024, depth=600):
+        assert vs_joined == vs_frac_1 == "identical max|d| 0 greedy agreement 100.0%", (vs_joined, vs_frac_1)
+
+
+def _decode_two_sequences_with_a_shift(llama, model, frac: float) -> np.ndarray:
+    """Two sequences in one batch (two KV streams), one shifted (K-shift) and extended: every step's logits."""
+    prompt = model.tokenize("Chunks of cells, merged by their log-sum-exps. " * 40)[:300]
+    with llama.Context(model, n_ctx=2048, n_batch=1024, n_ubatch=512, n_seq_max=2, flash_attn=True,
+                       headinfer_gpu_heads_frac=frac, headinfer_attn="chunked", headinfer_attn_chunk=256) as ctx:
+        rows = ctx.decode_batch({0: prompt, 1: prompt[::-1]})
+        logits = [ctx.logits(rows[0]), ctx.logits(rows[1])]
+        ctx.seq_rm(1, 0, 40)
+        ctx.seq_add(1, 40, -1, -40)  # K-shift of the rest of sequence 1
+        for step in range(4):
+            rows = ctx.decode_batch({0: [prompt[step]], 1: [prompt[-step - 1]]})
+            logits += [ctx.logits(rows[0]), ctx.logits(rows[1])]
+    return np.stack(logits)
+
+
+def test_chunks_with_several_sequences_and_a_k_shift_are_exact_across_fractions(llama, gguf_models, monkeypatch):
+    monkeypatch.setenv(FORCE_SPLIT, "1")
+    with llama.Model(gguf_models["llama-gqa"]) as model:
+        whole = _decode_two_sequences_with_a_shift(llama, model, 1.0)
+        for frac in (0.5, 0.25):
+            assert np.array_equal(_decode_two_sequences_with_a_shift(llama, model, frac), whole), frac
+
+
+def test_a_state_saved_in_one_mode_loads_in_the_other(llama, gguf_models, monkeypatch):
+    """The mode changes how the cache is read, not what it holds: a state saved from the joined heads at
+    frac 0.5 continues in chunks with the same bits at frac 1.0 and 0.25, and close to the joined heads."""
+    monkeypatch.setenv(FORCE_SPLIT, "1")
+    with llama.Model(gguf_models["llama-gqa"]) as model:
+        prompt = model.tokenize("A state crosses modes. " * 60)[:400]
+        with llama.Context(model, n_ctx=1024, flash_attn=True, headinfer_gpu_heads_frac=0.5) as ctx:
+            ctx.decode(prompt)
+            state = ctx.save_state()
+
+        def continued(**mode) -> np.ndarray:
+            with llama.Context(model, n_ctx=1024, flash_attn=True, **mode) as ctx:
+                ctx.load_state(state)
+                ctx.decode(prompt[:3])
+                return ctx.logits(-1)
+
+        chunked = continued(headinfer_attn="chunked", headinfer_attn_chunk=256)
+        assert np.array_equal(continued(headinfer_attn="chunked", headinfer_attn_chunk=256,
+                                        headinfer_gpu_heads_frac=0.25), chunked)
+        joined = continued()
+        assert not np.array_equal(joined, chunked) and np.abs(joined - chunked).max() < 0.1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(headinfer_attn="chunked", headinfer_attn_chunk=100), "multiple of 256"),
+    (dict(headinfer_attn="chunked", headinfer_attn_chunk=-256), "multiple of 256"),
+    (dict(headinfer_attn="chunked", headinfer_attn_chunk=True), "multiple of 256"),
+    (dict(headinfer_attn="joined", headinfer_attn_chunk=512), "applies to headinfer_attn='chunked' only"),
+    (dict(headinfer_attn="chunked", flash_attn=False), "needs flash attention"),
+])
+def test_bad_chunk_parameters_are_value_errors(kwargs, message):
+    from pyllama_headinfer.params import ContextParams
+
+    with pytest.raises(ValueError, match=message):
+        ContextParams(**kwargs)
+
+
+def test_the_mode_is_a_cli_flag(built, gguf_models):
+    run = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "-v", "generate", "--model",
+                          str(gguf_models["llama-gqa"]), "--prompt", "Once upon a time", "-n", "4", "--temp", "0",
+                          "--ctx", "512", "--headinfer-attn", "chunked", "--headinfer-attn-chunk", "256"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "every layer attends in chunks of 256 KV cells" in run.stderr, run.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "generate", "--model", str(gguf_models["llama-gqa"]),
+                          "--prompt", "x", "--headinfer-attn", "chunked", "--headinfer-attn-chunk", "300"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "multiple of 256" in bad.stderr, (bad.returncode, bad.stderr[-500:])
