@@ -174,10 +174,12 @@ def add_headinfer_arguments(ap: argparse.ArgumentParser) -> None:
                     help="how split layers attend to their two halves (headinfer_attn; default joined)")
     ap.add_argument("--stream", choices=tuple(HEADINFER_STREAM_TYPES), default="gpu",
                     help="how the host heads reach the device (headinfer_stream; default gpu; any: RPC devices too)")
+    ap.add_argument("--attn-chunk", type=int, default=0,
+                    help="KV cells per chunk with --attn chunked (headinfer_attn_chunk; default 0: llama.cpp's)")
 
 
 def headinfer_params(args: argparse.Namespace) -> dict:
-    return {"headinfer_attn": args.attn, "headinfer_stream": args.stream}
+    return {"headinfer_attn": args.attn, "headinfer_stream": args.stream, "headinfer_attn_chunk": args.attn_chunk}
 
 
 def run(model: Model, scenario: str, frac: float, kv_type: str, prompt: list) -> tuple[list, list, dict, list]:

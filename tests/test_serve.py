@@ -157,6 +157,25 @@ def test_the_scenario_exercised_what_it_claims(answers):
     assert not any("split" in line and "0.5" in line for line in logs[1.0])
 
 
+def test_chunked_attention_answers_identically_between_fractions(server_binary, gguf_models, tmp_path_factory):
+    """The attention in chunks (issue 30) through llama-server's flags (patch 0033), with slots of 512 cells
+    in chunks of 256: every answer of the scenario -- parallel slots, cached prefixes, slot save/restore --
+    is the same at frac 0.5 as at 1.0, and the server says the mode is on."""
+    chunked = ("-c", "1024", "--headinfer-attn", "chunked", "--headinfer-attn-chunk", "256", "-lv", "4")
+    got, lines = {}, {}
+    for frac in (1.0, 0.5):
+        server = Server(server_binary, gguf_models["llama-gqa"], frac, tmp_path_factory.mktemp("chunked"), extra=chunked)
+        try:
+            got[frac] = scenario(server)
+            lines[frac] = list(server.pump.headinfer)
+        finally:
+            assert server.stop() == 0
+    for key in got[1.0]:
+        assert got[1.0][key] == got[0.5][key], key
+    for frac in (1.0, 0.5):
+        assert any("every layer attends in chunks of 256 KV cells" in line for line in lines[frac]), lines[frac]
+
+
 @pytest.mark.parametrize("extra, frac, noted", [
     (["-np", "4"], 0.5, True),              # one KV stream per slot, split: n_kv cells of every slot cross the link
     (["--parallel", "2", "-c", "4096"], 0.25, True),
