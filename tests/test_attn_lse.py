@@ -171,9 +171,10 @@ def test_lse_and_merge_match_one_attention_over_both_parts(ggml, kernel):
         assert np.all(got[2, :, D] == -np.inf) and not got[2, :, :D].any()
 
 
-def test_sinks_count_once_in_the_merged_lse(ggml):
+@pytest.mark.parametrize("n_batch", [4, 70])  # 70 rows: the tiled kernel
+def test_sinks_count_once_in_the_merged_lse(ggml, n_batch):
     """Sinks attached to one part only: the merge equals one attention with them."""
-    n_batch, n_a, n_b, D, n_head = 4, 64, 96, 32, 4
+    n_a, n_b, D, n_head = 64, 96, 32, 4
     rng = np.random.default_rng(31)
     q = rng.standard_normal((n_head, n_batch, D)).astype(np.float32)
     k = rng.standard_normal((n_head, n_a + n_b, D)).astype(np.float16)
