@@ -11,6 +11,7 @@ same when the context fits in one chunk.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -51,6 +52,36 @@ def test_one_chunk_is_one_attention(built):
     """A context within one chunk: the attention with its log-sum-exp gives the same bits as without."""
     for vs_joined, vs_frac_1 in _compare(chunk=1024, depth=600):
         assert vs_joined == vs_frac_1 == "identical max|d| 0 greedy agreement 100.0%", (vs_joined, vs_frac_1)
+
+
+def _compute_buffer_mib(llama, model, n_ctx: int, frac: float, **mode) -> float:
+    """The CPU compute buffer llama.cpp reserves for a context (its log line), in MiB."""
+    from pyllama_headinfer.runtime.log import capture_log
+
+    with capture_log() as log, llama.Context(model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, flash_attn=True,
+                                             headinfer_gpu_heads_frac=frac, **mode):
+        pass
+    sizes = [float(re.search(r"compute buffer size = +([0-9.]+) MiB", text).group(1))
+             for _, text in log if "sched_reserve" in text and "compute buffer size" in text]
+    assert sizes, "llama.cpp logged no compute buffer size"
+    return sizes[-1]
+
+
+def test_a_split_layer_in_chunks_holds_one_chunk_of_its_heads(llama, gguf_models, monkeypatch):
+    """Patch 0034: the device memory a split layer needs beyond frac 1.0 does not grow with the context in
+    chunks (one chunk's heads at a time), as it does with the joined heads (the whole layer). On the CPU the
+    compute buffer shows it: its growth at f 0.5 over f 1.0, from 4K to 16K cells."""
+    monkeypatch.setenv(FORCE_SPLIT, "1")
+    logger = logging.getLogger("pyllama_headinfer.llama")
+    monkeypatch.setattr(logger, "level", logging.INFO)  # sched_reserve's lines reach the capture
+    growth = {}
+    with llama.Model(gguf_models["llama-gqa"]) as model:
+        for name, mode in (("joined", {}), ("chunked", dict(headinfer_attn="chunked", headinfer_attn_chunk=256))):
+            extra = {n_ctx: _compute_buffer_mib(llama, model, n_ctx, 0.5, **mode) -
+                     _compute_buffer_mib(llama, model, n_ctx, 1.0, **mode) for n_ctx in (4096, 16384)}
+            growth[name] = extra[16384] - extra[4096]
+    assert growth["joined"] > 8, growth  # the whole layer's heads: ~1 MiB per 1K cells for this model
+    assert growth["chunked"] < growth["joined"] / 4, growth  # the chunk idxs inputs only
 
 
 def _decode_two_sequences_with_a_shift(llama, model, frac: float) -> np.ndarray:
