@@ -246,6 +246,35 @@ print("".join(text for _, text in log))
 """
 
 
+CHUNKED_ON_RPC_CHILD = r"""
+import sys, logging
+sys.path.insert(0, "scripts")
+from gpu_check import rpc_servers
+from pyllama_headinfer.llama import Context, Model, rpc_add_server
+from pyllama_headinfer.runtime.log import capture_log
+logging.getLogger("pyllama_headinfer.llama").setLevel(logging.INFO)
+out = {}
+with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
+    for attn in ("joined", "chunked"):
+        kw = dict(headinfer_attn_chunk=256) if attn == "chunked" else {}
+        with capture_log() as log, Context(model, n_ctx=1024, flash_attn=True, headinfer_gpu_heads_frac=0.5,
+                                           headinfer_stream="any", headinfer_attn=attn, **kw) as ctx:
+            ctx.decode(list(range(10, 400)))
+            out[attn] = ctx.logits(-1).tobytes().hex()
+        out[attn + "_log"] = [text for _, text in log if "headinfer" in text]
+print("SAME" if out["joined"] == out["chunked"] else "DIFFERENT")
+print("\n".join(out["chunked_log"]))
+"""
+
+
+def test_chunked_attention_falls_back_on_a_device_without_it(rpc_build, gguf_models):
+    """RPC devices do not take the log-sum-exp attention (RPC cannot ask its remote backend): a context asked for
+    headinfer_attn="chunked" there says so and attends to each layer in one piece, the joined heads' bits."""
+    out = run_split_child(rpc_build, CHUNKED_ON_RPC_CHILD, str(gguf_models["llama-gqa"]))
+    assert out.splitlines()[0] == "SAME", out[-3000:]
+    assert "one attention per layer instead of chunks" in out, out[-3000:]
+
+
 def streamed_bytes(log: str) -> list[tuple[int, int]]:
     """(bytes streamed, slot size) of each streamed split (GGML_SCHED_DEBUG=1: "split #i streams N bytes into slot s
     (S bytes)")."""
