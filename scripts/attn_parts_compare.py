@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-8b-heads", dest="with_8b_heads", action="store_false",
                     help="skip the model with Llama-3-8B's attention geometry")
     ap.add_argument("--no-cuda-fusion", action="store_true", help="set GGML_CUDA_DISABLE_FUSION=1 (docs/GPU.md)")
-    ap.add_argument("--mode", choices=("parts", "chunked"), default="parts", help="the attention compared (default parts)")
+    ap.add_argument("--mode", choices=tuple(MODE_LOGS), default="parts", help="the attention compared (default parts)")
     ap.add_argument("--chunk", type=int, default=256, help="KV cells per chunk with --mode chunked (default 256)")
     args = ap.parse_args(argv)
     if args.depth < 1 or args.steps < 0:
