@@ -155,3 +155,29 @@ def test_the_mode_is_a_cli_flag(built, gguf_models):
                           "--prompt", "x", "--headinfer-attn", "chunked", "--headinfer-attn-chunk", "300"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "multiple of 256" in bad.stderr, (bad.returncode, bad.stderr[-500:])
+
+
+def test_a_real_quantized_model_in_chunks(built):
+    """Gemma 3 270M Q4_K_M (real weights, the CPU's quantized kernels; iSWA): in one chunk the mode gives one
+    attention's bits; in chunks of 256 cells (3 at 700 tokens) another float order, which this model moves by about
+    as much as stock llama.cpp's own change of ubatch (docs/ARENA.md: 0.68-0.94 against 0.68)."""
+    from test_real_model import ensure_gemma3_270m
+    from testing_models import CORPUS
+
+    from pyllama_headinfer import llama
+
+    with llama.Model(str(ensure_gemma3_270m())) as model:
+        tokens = (model.tokenize(CORPUS) * 20)[:700]
+
+        def last_logits(**mode) -> np.ndarray:
+            with llama.Context(model, n_ctx=1024, n_batch=512, flash_attn=True, **mode) as ctx:
+                for i in range(0, len(tokens), 512):
+                    ctx.decode(tokens[i:i + 512])
+                return ctx.logits(-1)
+
+        joined = last_logits()
+        one_chunk = last_logits(headinfer_attn="chunked", headinfer_attn_chunk=1024)
+        chunks = last_logits(headinfer_attn="chunked", headinfer_attn_chunk=256)
+    assert np.array_equal(one_chunk, joined)
+    assert np.isfinite(chunks).all() and not np.array_equal(chunks, joined)
+
