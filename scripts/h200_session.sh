@@ -300,7 +300,8 @@ table)
     ;;
 lse)
     # issue 30 on CUDA (ggml_flash_attn_ext_lse): the op against the CPU; chunked mode bit-identical across fractions
-    # with fusion off; compute buffers chunked vs joined at n_ubatch 2048 from 8K to 256K; decode at 32K and fill
+    # with fusion off; compute buffers in chunked mode at n_ubatch 2048 from 8K to 256K (HI_LSE_JOINED=1: and joined);
+    # decode at 32K and 128K, fill; the difference to the joined heads at 32K over 256 steps
     { echo "== test-backend-ops -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev"
       tl "$bdir/bin/test-backend-ops" -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev 2>&1 | grep -v "^ggml_cuda_init\|Device 0"; } \
         > "$out/test_backend_ops.txt" 2>&1
@@ -309,18 +310,17 @@ lse)
     echo "gpu_check exit $?" >> "$out/gpu_check.txt"
     { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/lse.err" 2>&1
     mkdir -p "$out/json"
-    for attn in chunked joined; do
+    for attn in chunked $([ "${HI_LSE_JOINED:-0}" = 1 ] && echo joined); do
         { echo "== python3 scripts/graph_splits.py --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 --fracs 1,0.5,0.25"
           tl python3 scripts/graph_splits.py --model "$model" --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 \
               --fracs 1,0.5,0.25; } >> "$out/splits.txt" 2>> "$out/lse.err"
     done
     lb dec_32k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 32768 -p 0 -n 32 -r 1
-    lb dec_32k_joined -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 32768 -p 0 -n 32 -r 1
     lb fill_8k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 1,0.25 -p 8192 -n 0 -r 1 -ub 2048
-    lb fill_8k_joined -ctk f16 -ctv f16 -hgf 1,0.25 -p 8192 -n 0 -r 1 -ub 2048
-    python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
     { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/attn_parts_compare.py --no-cuda-fusion --mode chunked \
           --chunk 8192 --depth 32768 --steps 256 --types f16 --fracs 0.5; } > "$out/chunked_vs_joined.txt" 2>&1
+    lb dec_128k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 0.25,1 -d 131072 -p 0 -n 16 -r 1 -ub 2048
+    python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
     tar czf "$out/raw.tgz" -C "$out" json bench.err lse.err 2>/dev/null
     rm -rf "$out/json" "$out/bench.err" "$out/lse.err"
     ;;
