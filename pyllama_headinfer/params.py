@@ -122,6 +122,7 @@ HEADINFER_ATTN_TYPES = {
 # KV cells per chunk with headinfer_attn = "chunked" (llama.h's LLAMA_HEADINFER_ATTN_CHUNK_DEFAULT when 0):
 # chunk boundaries fall on the KV cache's padding of 256 cells
 HEADINFER_ATTN_CHUNK_ALIGN = 256
+HEADINFER_ATTN_CHUNK_DEFAULT = 8192
 
 
 def check_choice(name: str, value, choices) -> str:

@@ -584,3 +584,32 @@ def test_fast_reader_agrees_with_gguf_reader(all_models, tmp_path):
                 assert kv[key] == pytest.approx(f.parts[-1].tolist()[0])
         assert [(n, t, ne, b) for n, t, ne, b in tensors] == \
             [(t.name, int(t.tensor_type), [int(x) for x in t.shape], int(t.n_bytes)) for t in r.tensors]
+
+
+# --------------------------------------------------------------------------
+# chunked attention (headinfer_attn = "chunked"): the arena
+
+
+def test_chunked_arena_is_fixed_by_the_chunk(all_models):
+    # one attention per layer: the staging slots and the joined K/V of a split layer grow with the context; in
+    # chunks of cells they are one chunk's, whatever the context
+    m = all_models["llama-gqa"]
+    joined = [plan_kv(m, n).row(2).arena for n in (16384, 65536)]
+    chunked = [plan_kv(m, n, headinfer_attn="chunked").row(2).arena for n in (16384, 65536)]
+    assert joined[1] == 4 * joined[0] > 0
+    assert chunked[0] == chunked[1] == joined[0] // 2  # chunks of 8192 cells (llama.h's default) of 16384
+    assert plan_kv(m, 65536, headinfer_attn="chunked", headinfer_attn_chunk=4096).row(2).arena == chunked[0] // 2
+    assert plan_kv(m, 65536, headinfer_attn="chunked").row(4).arena == 0  # frac 1.0: nothing streams
+    # the compute estimate carries the arena: smaller than one attention per layer's at long context
+    assert plan_kv(m, 65536, headinfer_attn="chunked").row(2).compute < plan_kv(m, 65536).row(2).compute
+
+
+def test_cli_chunked_json_and_bad_chunk(gguf_models, capsys):
+    m = gguf_models["llama-gqa"]
+    assert main("-m", m, "-c", 65536, "--headinfer-attn", "chunked", "--json") == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["settings"]["attn_chunk"] == 8192
+    assert [r["arena"] for r in d["rows"]] == \
+        [plan_kv(m, 65536, headinfer_attn="chunked").row(g).arena for g in range(1, 5)]
+    assert main("-m", m, "-c", 65536, "--headinfer-attn", "chunked", "--headinfer-attn-chunk", 100) == 2
+    assert "multiple of 256" in capsys.readouterr().err

@@ -46,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="n_batch = n_ubatch, as generate sets them (default 512)")
     parser.add_argument("--no-flash-attn", dest="flash_attn", action="store_false",
                         help="flash attention off (then no layer splits)")
+    parser.add_argument("--headinfer-attn", dest="headinfer_attn", choices=("joined", "chunked"), default="joined",
+                        help="plan one attention per layer (joined, the default: the device holds a split layer's "
+                             "K/V whole, growing with the context) or attention in chunks (chunked: a fixed arena)")
+    parser.add_argument("--headinfer-attn-chunk", dest="headinfer_attn_chunk", type=int, default=0,
+                        help="KV cells per chunk with --headinfer-attn chunked, a multiple of 256 (default 0: "
+                             "llama.cpp's 8192)")
     parser.add_argument("--force-split", action=argparse.BooleanOptionalAction, default=None,
                         help="plan as LLAMA_HEADINFER_FORCE_SPLIT=1 runs: layers in host memory split too "
                              "(default: from that variable)")
@@ -70,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     margin = parse_size(args.margin) if args.margin not in ("0", "", None) else 0
     params = ContextParams(n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.batch, n_seq_max=args.n_seq,
                            flash_attn=args.flash_attn, type_k=args.type_k, type_v=args.type_v,
-                           kv_unified=args.kv_unified, swa_full=args.swa_full, headinfer_vram_budget=args.vram)
+                           kv_unified=args.kv_unified, swa_full=args.swa_full, headinfer_vram_budget=args.vram,
+                           headinfer_attn=args.headinfer_attn, headinfer_attn_chunk=args.headinfer_attn_chunk)
     info = read_model_info(args.model)  # the GGUF is read once, for the plan and the ranking
     p = plan_kv(info, params, n_gpu_layers=args.ngl, force_split=force, margin=margin)
     nothing_fits = p.budget is not None and p.chosen is None

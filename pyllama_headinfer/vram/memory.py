@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from pyllama_headinfer.errors import PlanError, UnsupportedModelError
-from pyllama_headinfer.params import KV_CACHE_TYPES, ContextParams
+from pyllama_headinfer.params import HEADINFER_ATTN_CHUNK_DEFAULT, KV_CACHE_TYPES, ContextParams
 from pyllama_headinfer.vram.model import ModelInfo, TensorInfo
 
 # The KV cache types the Python API accepts (api/context.py KV_CACHE_TYPES).
@@ -107,6 +107,7 @@ class Settings:
     offload_kqv: bool = True
     op_offload: bool = True
     force_split: bool = False  # LLAMA_HEADINFER_FORCE_SPLIT: host-memory layers split too
+    attn_chunk: int = 0  # KV cells per chunk with headinfer_attn = "chunked"; 0: one attention per layer
 
     @classmethod
     def from_params(cls, params: ContextParams, *, n_gpu_layers: int = -1, force_split: bool = False,
@@ -118,7 +119,9 @@ class Settings:
                    n_seq_max=params.n_seq_max, kv_unified=bool(params.kv_unified),
                    swa_full=True if params.swa_full is None else params.swa_full, n_batch=params.n_batch,
                    n_ubatch=params.n_ubatch, flash_attn=params.flash_attn is not False,
-                   offload_kqv=params.offload_kqv, op_offload=op_offload, force_split=force_split)
+                   offload_kqv=params.offload_kqv, op_offload=op_offload, force_split=force_split,
+                   attn_chunk=(params.headinfer_attn_chunk or HEADINFER_ATTN_CHUNK_DEFAULT)
+                   if params.headinfer_attn == "chunked" else 0)
 
 
 @dataclass(frozen=True)
@@ -301,6 +304,30 @@ def weights(info: ModelInfo, n_gpu_layers: int) -> Weights:
 # the compute buffer estimate
 # --------------------------------------------------------------------------- #
 
+def _split_transient(s: Settings, layer: KVLayer, g: int) -> tuple[int, int]:
+    """A split layer's (staging, joined) device bytes: the scheduler's two
+    staging slots of its host K and V (patch 0018) and its K and V joined on
+    the device for one attention -- a whole layer's with one attention per
+    layer, one chunk's of ``s.attn_chunk`` cells per stream in chunked mode
+    (patches 0032, 0034). (0, 0) for a layer that does not split."""
+    if g >= layer.n_head_kv:
+        return 0, 0
+    qk, qv = ggml_type(s.type_k), ggml_type(s.type_v)
+    cells = (min(layer.cells, s.attn_chunk) if s.attn_chunk else layer.cells) * layer.n_stream
+    host = row_size(qk, (layer.n_head_kv - g) * layer.head_k) + row_size(qv, (layer.n_head_kv - g) * layer.head_v)
+    joined = row_size(qk, layer.n_head_kv * layer.head_k) + row_size(qv, layer.row_v)
+    return 2 * host * cells, joined * cells
+
+
+def arena_estimate(s: Settings, layers: Sequence[KVLayer], resident: Sequence[int]) -> int:
+    """The device memory the split adds to stream the host heads (0 when no
+    layer splits): the largest split layer's staging slots and joined K and V
+    (:func:`_split_transient`). It grows with the context with one attention
+    per layer; in chunked mode it is fixed by the chunk size."""
+    parts = [_split_transient(s, x, g) for x, g in zip(layers, resident) if x.on_device]
+    return max((p[0] for p in parts), default=0) + max((p[1] for p in parts), default=0)
+
+
 def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequence[KVLayer],
                      resident: Sequence[int], w: Weights) -> int:
     """An *estimate* of the GPU compute buffer llama.cpp reserves (the graph of
@@ -326,7 +353,13 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
 
     * the scheduler's staging buffer (patch 0018): two slots, each one split
       layer's host K and V (the largest), outside ggml-alloc -- the host heads
-      are copied there one layer ahead;
+      are copied there one layer ahead (with the joined K and V above:
+      :func:`arena_estimate`);
+    * in chunked mode (``s.attn_chunk``): the joined K and V, the staging slots
+      and the f16 copies of a quantized K and V are one chunk's, not a whole
+      layer's; every layer's attention holds two chunks' results (values and
+      log-sum-exp, 4 T n_head (DV + 1)) and the values' scratch (4 T n_head
+      DV); the chunks' masks are copied to the device once, as the mask is;
     * a split layer's converted rows of the host heads, T rows of its host
       K and V, alive until the layer's host stores after its attention
       (patch 0024; written back from the device when streamed, patch 0023):
@@ -355,21 +388,24 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
     ws = staging = rows = 0
     masks = {}
     for layer, g in zip(layers, resident):
-        cells = layer.cells * layer.n_stream
         masks[layer.is_swa] = 2 * layer.cells * T
         if not (layer.on_device or offload_ops):
             continue
-        full_k = row_size(qk, layer.n_head_kv * layer.head_k) * cells
-        full_v = row_size(qv, layer.row_v) * cells
-        lw = 0
+        # the cells one attention reads: the layer's, or one chunk's
+        cells = (min(layer.cells, s.attn_chunk) if s.attn_chunk else layer.cells) * layer.n_stream
+        layer_staging, joined = _split_transient(s, layer, g)
+        staging = max(staging, layer_staging)  # two slots of the largest layer's host K+V
+        lw = joined  # concat results
         if g < layer.n_head_kv:
-            lw += full_k + full_v  # concat results
             host_k = row_size(qk, (layer.n_head_kv - g) * layer.head_k)
             host_v = row_size(qv, (layer.n_head_kv - g) * layer.head_v)
-            staging = max(staging, 2 * (host_k + host_v) * cells)  # two slots of the largest layer's host K+V
             rows = max(rows, (host_k + host_v) * T)  # converted rows waiting for the layer's host stores
         if quantized:
-            lw += 2 * (layer.n_head_kv * layer.head_k + layer.row_v) * cells  # f16 copies for flash attention
+            # f16 copies for flash attention (chunked: and K's for the log-sum-exp pass)
+            lw += (3 if s.attn_chunk else 2) * (layer.n_head_kv * layer.head_k + layer.row_v) * cells
+        if s.attn_chunk:
+            nh = info.n_head[layer.il]
+            lw += f32 * T * nh * (2 * (layer.head_v + 1) + layer.head_v)  # two chunks' results, the values' scratch
         ws = max(ws, lw)
     offload_w = w.host_layer_max if offload_ops and w.n_layer_gpu < info.n_layer else 0
     layer_stage = max(attn_act + ws, ffn_act) + offload_w

@@ -72,7 +72,7 @@ import numpy as np
 from pyllama_headinfer.params import ContextParams, format_bytes, parse_size
 from pyllama_headinfer.vram.gguf import GGUFFile
 from pyllama_headinfer.vram.memory import (FORCE_SPLIT_ENV, PAD_CTX, Geometry, KVLayer, Settings, Weights, block_of,
-                                           ggml_type, compute_estimate, cuda_alloc_size, geometry, gpu_layer_start,
+                                           ggml_type, arena_estimate, compute_estimate, cuda_alloc_size, geometry, gpu_layer_start,
                                            kv_layers, n_resident, row_size, weights)
 from pyllama_headinfer.errors import BudgetTooSmallError, NothingFitsError, PlanError, UnsupportedModelError
 from pyllama_headinfer.vram.model import ModelInfo, read_model_info
@@ -95,6 +95,7 @@ class Row:
     host_kv: int  # KV bytes in host memory (host halves + layers not offloaded)
     device_kv_alloc: int  # device_kv as CUDA allocates it
     compute: int  # compute buffer estimate
+    arena: int  # of compute: what streaming the host heads adds (memory.arena_estimate; fixed in chunked mode)
     device_total: int  # weights + KV + compute (CUDA allocation sizes)
     fits: bool | None  # None without a budget
     layers: tuple = field(repr=False, default=())  # (il, n_head_kv, n_head_resident, is_swa)
@@ -200,7 +201,8 @@ class Plan:
         lines.append(f"context: n_ctx {s.n_ctx or i.n_ctx_train} -> {geo.n_ctx_seq} cells x {geo.n_stream} "
                      f"stream{'s' if geo.n_stream > 1 else ''} (n_seq_max {s.n_seq_max}"
                      f"{', kv_unified' if s.kv_unified else ''}), K {s.type_k} / V {s.type_v}, "
-                     f"n_ubatch {geo.n_ubatch}, flash attention {'on' if s.flash_attn else 'off'}")
+                     f"n_ubatch {geo.n_ubatch}, flash attention {'on' if s.flash_attn else 'off'}"
+                     + (f", attention in chunks of {s.attn_chunk} cells" if s.attn_chunk else ""))
         start = gpu_layer_start(i, s.n_gpu_layers)
         where = "none" if w.n_layer_gpu == 0 else f"layers {start}-{i.n_layer - 1}"
         lines.append(f"offload: n_gpu_layers {s.n_gpu_layers} -> {where} ({w.n_layer_gpu} of {i.n_layer})"
@@ -210,15 +212,18 @@ class Plan:
             lines.append(f"budget: {fb(self.budget)}" + (f" (margin {fb(self.margin)})" if self.margin else ""))
         lines.append("")
         head = f"{'g':>3} {'frac':>6} {'split':>7} {'device KV':>12} {'host KV':>12} {'compute*':>11} " \
-               f"{'device total':>13}  fits"
+               f"{'(arena)':>10} {'device total':>13}  fits"
         lines.append(head)
         for r in self.rows:
             fits = "-" if r.fits is None else ("yes" if r.fits else "no")
             mark = "  <- chosen" if self.chosen is not None and r.g == self.chosen.g else ""
             lines.append(f"{r.g:>3} {r.frac:>6.3f} {f'{r.n_split}/{len(self.layers)}':>7} {fb(r.device_kv):>12} "
-                         f"{fb(r.host_kv):>12} {fb(r.compute):>11} {fb(r.device_total):>13}  {fits}{mark}")
-        lines.append("* compute: an estimate of llama.cpp's GPU compute buffer (docs/PLAN.md); device total = "
-                     "weights + KV + compute, as CUDA allocates them; the CUDA context itself is not included")
+                         f"{fb(r.host_kv):>12} {fb(r.compute):>11} {fb(r.arena):>10} {fb(r.device_total):>13}  "
+                         f"{fits}{mark}")
+        lines.append("* compute: an estimate of llama.cpp's GPU compute buffer (docs/PLAN.md); (arena): the part of it "
+                     "that streams the host heads (staging slots and joined K/V: a layer's, or a chunk's in chunked "
+                     "mode); device total = weights + KV + compute, as CUDA allocates them; the CUDA context itself "
+                     "is not included")
         for note in self.notes:
             lines.append(f"note: {note}")
         if per_layer and self.chosen is not None:
@@ -272,7 +277,8 @@ def _row(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequence[KVLayer],
     fits = None if budget is None else total + margin <= budget
     return Row(g=g, frac=float(frac), n_split=sum(1 for x, r in zip(layers, res) if r < x.n_head_kv),
                resident_k=rk, resident_v=rv, host_half_k=hk, host_half_v=hv, device_kv=dkv, host_kv=hostkv,
-               device_kv_alloc=dalloc, compute=compute, device_total=total, fits=fits,
+               device_kv_alloc=dalloc, compute=compute, arena=arena_estimate(s, layers, res), device_total=total,
+               fits=fits,
                layers=tuple((x.il, x.n_head_kv, r, x.is_swa) for x, r in zip(layers, res)))
 
 
