@@ -315,11 +315,11 @@ lse)
           tl python3 scripts/graph_splits.py --model "$model" --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 \
               --fracs 1,0.5,0.25; } >> "$out/splits.txt" 2>> "$out/lse.err"
     done
+    lb dec_128k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
     lb dec_32k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 32768 -p 0 -n 32 -r 1
-    lb fill_8k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 1,0.25 -p 8192 -n 0 -r 1 -ub 2048
     { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/attn_parts_compare.py --no-cuda-fusion --mode chunked \
           --chunk 8192 --depth 32768 --steps 256 --types f16 --fracs 0.5; } > "$out/chunked_vs_joined.txt" 2>&1
-    lb dec_128k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 0.25,1 -d 131072 -p 0 -n 16 -r 1 -ub 2048
+    lb fill_8k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 1,0.25 -p 8192 -n 0 -r 1 -ub 2048
     python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
     tar czf "$out/raw.tgz" -C "$out" json bench.err lse.err 2>/dev/null
     rm -rf "$out/json" "$out/bench.err" "$out/lse.err"
