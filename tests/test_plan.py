@@ -613,3 +613,15 @@ def test_cli_chunked_json_and_bad_chunk(gguf_models, capsys):
         [plan_kv(m, 65536, headinfer_attn="chunked").row(g).arena for g in range(1, 5)]
     assert main("-m", m, "-c", 65536, "--headinfer-attn", "chunked", "--headinfer-attn-chunk", 100) == 2
     assert "multiple of 256" in capsys.readouterr().err
+
+
+def test_nothing_fits_suggests_chunks(all_models):
+    # a budget between the chunked and the joined totals of g = 1: only attention in chunks fits
+    m = all_models["llama-gqa"]
+    joined, chunked = plan_kv(m, 65536).row(1), plan_kv(m, 65536, headinfer_attn="chunked").row(1)
+    assert chunked.device_total < joined.device_total
+    budget = (chunked.device_total + joined.device_total) // 2
+    p = plan_kv(m, 65536, budget)
+    assert p.chosen is None
+    g = plan_kv(m, 65536, budget, headinfer_attn="chunked").chosen.g
+    assert p.suggestions[0].startswith(f"attention in chunks: headinfer_attn = 'chunked' (g = {g} of 4")

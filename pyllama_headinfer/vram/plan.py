@@ -69,7 +69,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pyllama_headinfer.params import ContextParams, format_bytes, parse_size
+from pyllama_headinfer.params import HEADINFER_ATTN_CHUNK_DEFAULT, ContextParams, format_bytes, parse_size
 from pyllama_headinfer.vram.gguf import GGUFFile
 from pyllama_headinfer.vram.memory import (FORCE_SPLIT_ENV, PAD_CTX, Geometry, KVLayer, Settings, Weights, block_of,
                                            ggml_type, arena_estimate, compute_estimate, cuda_alloc_size, geometry, gpu_layer_start,
@@ -317,13 +317,20 @@ def _compute(info: ModelInfo, s: Settings, budget: int | None, margin: int) -> P
 
 
 def _suggest(plan: Plan) -> list[str]:
-    """What would fit when nothing does: fewer GPU layers, a quantized KV type, a shorter context."""
+    """What would fit when nothing does: attention in chunks (its device memory for the host heads does
+    not grow with the context), fewer GPU layers, a quantized KV type, a shorter context."""
     info, s, budget, margin = plan.info, plan.settings, plan.budget, plan.margin
     out = []
 
     def best(p: Plan) -> str:
         r = p.chosen
         return f"g = {r.g} of {p.n_head_kv}, frac {r.frac:.6g}, device total {format_bytes(r.device_total)}"
+
+    if not s.attn_chunk and s.flash_attn:
+        p = _compute(info, replace(s, attn_chunk=HEADINFER_ATTN_CHUNK_DEFAULT), budget, margin)
+        if p.chosen is not None:
+            out.append(f"attention in chunks: headinfer_attn = 'chunked' ({best(p)}; another float order than "
+                       "one attention per layer, the same at every fraction)")
 
     ngl = info.n_layer + 1 if s.n_gpu_layers < 0 else min(s.n_gpu_layers, info.n_layer + 1)
     for k in range(ngl - 1, -1, -1):
