@@ -14,7 +14,8 @@
 #   scripts/h200_session.sh OUTDIR writeback # host stores written back from the device: exactness, decode 8K-128K, buffers, host time (~5 min)
 #   scripts/h200_session.sh OUTDIR sched    # tests/test-backend-sched on CUDA0, decode at 32K (f 0.75, -r 3) and 128K (f 0.25) (~3 min)
 #   scripts/h200_session.sh OUTDIR hygiene  # exactness (fusion off, streamed and not), test-backend-ops + CONCAT perf, test-backend-sched (~4 min)
-#   scripts/h200_session.sh OUTDIR lse      # chunked attention on CUDA: test-backend-ops, exactness, buffers 8K-256K, decode, fill (~5 min)
+#   scripts/h200_session.sh OUTDIR lse      # chunked attention on CUDA: test-backend-ops, exactness, decode 32K/128K, fill (~5 min)
+#   scripts/h200_session.sh OUTDIR lsebuf   # chunked and joined compute buffers at n_ubatch 2048, 8K-256K (~3 min)
 #   scripts/h200_session.sh OUTDIR table    # issue 29's decode table (8K/32K -r 2, 128K) and compute buffers at n_ubatch 2048 (~5 min)
 #
 # PYLLAMA_HEADINFER_PIN picks the pin (its build directory is build/cuda-sm90-<pin> for a pin other than the
@@ -26,8 +27,8 @@
 # cffi, pycparser and gguf for the machine's python3 (the device tool's README says how).
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback|sched|hygiene|table|lse}
-part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback|sched|hygiene|table|lse}
+out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback|sched|hygiene|table|lse|lsebuf}
+part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback|sched|hygiene|table|lse|lsebuf}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -300,8 +301,8 @@ table)
     ;;
 lse)
     # issue 30 on CUDA (ggml_flash_attn_ext_lse): the op against the CPU; chunked mode bit-identical across fractions
-    # with fusion off; compute buffers in chunked mode at n_ubatch 2048 from 8K to 256K (HI_LSE_JOINED=1: and joined);
-    # decode at 32K and 128K, fill; the difference to the joined heads at 32K over 256 steps
+    # with fusion off; decode at 32K, the difference to the joined heads at 32K over 256 steps, fill, 128K decode
+    # (the buffers: part lsebuf; a call of 585 s does not hold both after a build)
     { echo "== test-backend-ops -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev"
       tl "$bdir/bin/test-backend-ops" -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev 2>&1 | grep -v "^ggml_cuda_init\|Device 0"; } \
         > "$out/test_backend_ops.txt" 2>&1
@@ -310,19 +311,23 @@ lse)
     echo "gpu_check exit $?" >> "$out/gpu_check.txt"
     { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/lse.err" 2>&1
     mkdir -p "$out/json"
-    for attn in chunked $([ "${HI_LSE_JOINED:-0}" = 1 ] && echo joined); do
-        { echo "== python3 scripts/graph_splits.py --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 --fracs 1,0.5,0.25"
-          tl python3 scripts/graph_splits.py --model "$model" --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 \
-              --fracs 1,0.5,0.25; } >> "$out/splits.txt" 2>> "$out/lse.err"
-    done
-    lb dec_128k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
     lb dec_32k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 32768 -p 0 -n 32 -r 1
     { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/attn_parts_compare.py --no-cuda-fusion --mode chunked \
           --chunk 8192 --depth 32768 --steps 256 --types f16 --fracs 0.5; } > "$out/chunked_vs_joined.txt" 2>&1
     lb fill_8k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 1,0.25 -p 8192 -n 0 -r 1 -ub 2048
+    lb dec_128k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
     python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
     tar czf "$out/raw.tgz" -C "$out" json bench.err lse.err 2>/dev/null
     rm -rf "$out/json" "$out/bench.err" "$out/lse.err"
+    ;;
+lsebuf)
+    # issue 30's buffer table: compute buffers at n_ubatch 2048 from 8K to 256K, chunked and joined
+    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/lsebuf.err" 2>&1
+    for attn in chunked joined; do
+        { echo "== python3 scripts/graph_splits.py --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 --fracs 1,0.5,0.25"
+          tl python3 scripts/graph_splits.py --model "$model" --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 \
+              --fracs 1,0.5,0.25; } >> "$out/splits.txt" 2>> "$out/lsebuf.err"
+    done
     ;;
 sched)
     # the series' scheduler test (ggml only, compiled against the build's libraries as tests/test_multi_device.py
