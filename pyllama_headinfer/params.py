@@ -168,7 +168,8 @@ class ContextParams:
     how a split layer's attention reads its two halves; with ``"chunked"``
     every layer attends in chunks of ``headinfer_attn_chunk`` KV cells (a
     multiple of 256; 0 = llama.cpp's default, 8192), merged exactly by their
-    log-sum-exps (needs flash attention; CPU only so far: docs/ARENA.md).
+    log-sum-exps (needs flash attention with that result: the CPU and CUDA;
+    elsewhere one attention per layer, with a warning: docs/ARENA.md).
     """
 
     n_ctx: int = 512

@@ -304,19 +304,28 @@ def weights(info: ModelInfo, n_gpu_layers: int) -> Weights:
 # the compute buffer estimate
 # --------------------------------------------------------------------------- #
 
+def _attn_cells(s: Settings, layer: KVLayer) -> int:
+    """The cells one attention reads: the layer's, or in chunked mode one
+    chunk's of ``s.attn_chunk`` cells per stream (patches 0032, 0034)."""
+    return (min(layer.cells, s.attn_chunk) if s.attn_chunk else layer.cells) * layer.n_stream
+
+
+def _host_row(s: Settings, layer: KVLayer, g: int) -> int:
+    """Bytes per cell of a layer's host K and V with g of its heads resident."""
+    n_host = layer.n_head_kv - g
+    return row_size(ggml_type(s.type_k), n_host * layer.head_k) + row_size(ggml_type(s.type_v), n_host * layer.head_v)
+
+
 def _split_transient(s: Settings, layer: KVLayer, g: int) -> tuple[int, int]:
     """A split layer's (staging, joined) device bytes: the scheduler's two
     staging slots of its host K and V (patch 0018) and its K and V joined on
-    the device for one attention -- a whole layer's with one attention per
-    layer, one chunk's of ``s.attn_chunk`` cells per stream in chunked mode
-    (patches 0032, 0034). (0, 0) for a layer that does not split."""
+    the device, both over the cells of one attention (:func:`_attn_cells`).
+    (0, 0) for a layer that does not split."""
     if g >= layer.n_head_kv:
         return 0, 0
-    qk, qv = ggml_type(s.type_k), ggml_type(s.type_v)
-    cells = (min(layer.cells, s.attn_chunk) if s.attn_chunk else layer.cells) * layer.n_stream
-    host = row_size(qk, (layer.n_head_kv - g) * layer.head_k) + row_size(qv, (layer.n_head_kv - g) * layer.head_v)
-    joined = row_size(qk, layer.n_head_kv * layer.head_k) + row_size(qv, layer.row_v)
-    return 2 * host * cells, joined * cells
+    cells = _attn_cells(s, layer)
+    joined = row_size(ggml_type(s.type_k), layer.n_head_kv * layer.head_k) + row_size(ggml_type(s.type_v), layer.row_v)
+    return 2 * _host_row(s, layer, g) * cells, joined * cells
 
 
 def arena_estimate(s: Settings, layers: Sequence[KVLayer], resident: Sequence[int]) -> int:
@@ -391,15 +400,12 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
         masks[layer.is_swa] = 2 * layer.cells * T
         if not (layer.on_device or offload_ops):
             continue
-        # the cells one attention reads: the layer's, or one chunk's
-        cells = (min(layer.cells, s.attn_chunk) if s.attn_chunk else layer.cells) * layer.n_stream
+        cells = _attn_cells(s, layer)
         layer_staging, joined = _split_transient(s, layer, g)
         staging = max(staging, layer_staging)  # two slots of the largest layer's host K+V
         lw = joined  # concat results
         if g < layer.n_head_kv:
-            host_k = row_size(qk, (layer.n_head_kv - g) * layer.head_k)
-            host_v = row_size(qv, (layer.n_head_kv - g) * layer.head_v)
-            rows = max(rows, (host_k + host_v) * T)  # converted rows waiting for the layer's host stores
+            rows = max(rows, _host_row(s, layer, g) * T)  # converted rows waiting for the layer's host stores
         if quantized:
             # f16 copies for flash attention (chunked: and K's for the log-sum-exp pass)
             lw += (3 if s.attn_chunk else 2) * (layer.n_head_kv * layer.head_k + layer.row_v) * cells

@@ -71,9 +71,9 @@ import numpy as np
 
 from pyllama_headinfer.params import HEADINFER_ATTN_CHUNK_DEFAULT, ContextParams, format_bytes, parse_size
 from pyllama_headinfer.vram.gguf import GGUFFile
-from pyllama_headinfer.vram.memory import (FORCE_SPLIT_ENV, PAD_CTX, Geometry, KVLayer, Settings, Weights, block_of,
-                                           ggml_type, arena_estimate, compute_estimate, cuda_alloc_size, geometry, gpu_layer_start,
-                                           kv_layers, n_resident, row_size, weights)
+from pyllama_headinfer.vram.memory import (FORCE_SPLIT_ENV, PAD_CTX, Geometry, KVLayer, Settings, Weights,
+                                           arena_estimate, block_of, compute_estimate, cuda_alloc_size, geometry,
+                                           ggml_type, gpu_layer_start, kv_layers, n_resident, row_size, weights)
 from pyllama_headinfer.errors import BudgetTooSmallError, NothingFitsError, PlanError, UnsupportedModelError
 from pyllama_headinfer.vram.model import ModelInfo, read_model_info
 
