@@ -15,6 +15,7 @@
 #   scripts/h200_session.sh OUTDIR sched    # tests/test-backend-sched on CUDA0, decode at 32K (f 0.75, -r 3) and 128K (f 0.25) (~3 min)
 #   scripts/h200_session.sh OUTDIR hygiene  # exactness (fusion off, streamed and not), test-backend-ops + CONCAT perf, test-backend-sched (~4 min)
 #   scripts/h200_session.sh OUTDIR lse      # chunked attention on CUDA: test-backend-ops, exactness, decode 32K/128K, fill (~5 min)
+#   scripts/h200_session.sh OUTDIR lse128   # test-backend-ops, then fill + decode at 128K (HI_BB_DEPTH) in llama-batched-bench, chunked and joined (~6 min)
 #   scripts/h200_session.sh OUTDIR lsebuf   # chunked and joined compute buffers at n_ubatch 2048, 8K-256K (~3 min)
 #   scripts/h200_session.sh OUTDIR table    # issue 29's decode table (8K/32K -r 2, 128K) and compute buffers at n_ubatch 2048 (~5 min)
 #
@@ -27,8 +28,8 @@
 # cffi, pycparser and gguf for the machine's python3 (the device tool's README says how).
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback|sched|hygiene|table|lse|lsebuf}
-part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback|sched|hygiene|table|lse|lsebuf}
+out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback|sched|hygiene|table|lse|lse128|lsebuf}
+part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback|sched|hygiene|table|lse|lse128|lsebuf}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -63,6 +64,15 @@ for r in json.loads(text[text.index("["):]) if "[" in text else []:
     print(f"| {r['type_k']}/{r['type_v']} | hgf {r.get('headinfer_gpu_heads_frac', 1):g} | depth {r['n_depth']} "
           f"| p {r['n_prompt']} n {r['n_gen']} ub {r['n_ubatch']} | {r['avg_ts']:.2f} tok/s |")
 EOF
+}
+
+bb() {  # depth, then flags: llama-batched-bench fills depth tokens at n_ubatch 2048 and decodes 16, f16 KV, into bb.md
+    local depth=$1
+    shift
+    local args=(-m "$model" -ngl 99 -fa on -ctk f16 -ctv f16 -c $(( depth + 256 )) -b 2048 -ub 2048 -npp "$depth" -ntg 16 -npl 1 "$@")
+    echo "== llama-batched-bench ${args[*]}" >> "$out/bb.md"
+    { time tl "$bdir/bin/llama-batched-bench" "${args[@]}"; } 2>> "$out/bb.err" | grep "^|" >> "$out/bb.md"
+    grep "CUDA0 compute buffer size\|CUDA_Host compute" "$out/bb.err" | tail -2 >> "$out/bb.md"
 }
 
 exactness_streamed_and_not() {  # gpu_check with fusion off, streamed (the default) and not, into gpu_check.txt
@@ -319,6 +329,20 @@ lse)
     python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
     tar czf "$out/raw.tgz" -C "$out" json bench.err lse.err 2>/dev/null
     rm -rf "$out/json" "$out/bench.err" "$out/lse.err"
+    ;;
+lse128)
+    # issue 30 at 128K: test-backend-ops for the log-sum-exp attention, then llama-batched-bench (one fill of the
+    # context, then decode at its depth: fill and decode speed from one context) in chunked mode, f 0.25 first
+    { echo "== test-backend-ops -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev"
+      tl "$bdir/bin/test-backend-ops" -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev 2>&1 | grep -v "^ggml_cuda_init\|Device 0"; } \
+        > "$out/test_backend_ops.txt" 2>&1
+    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/lse.err" 2>&1
+    tl ninja -C "$bdir" llama-batched-bench >> "$out/lse.err" 2>&1
+    for cfg in chunked:0.25 joined:0.25 chunked:1; do
+        bb "${HI_BB_DEPTH:-131072}" --headinfer-attn "${cfg%:*}" -hgf "${cfg#*:}"
+    done
+    tar czf "$out/raw.tgz" -C "$out" lse.err bb.err 2>/dev/null
+    rm -f "$out/lse.err" "$out/bb.err"
     ;;
 lsebuf)
     # issue 30's buffer table: compute buffers at n_ubatch 2048 from 8K to 256K, chunked and joined
