@@ -333,15 +333,18 @@ lse)
 lse128)
     # issue 30 at 128K: test-backend-ops for the log-sum-exp attention, then llama-batched-bench (one fill of the
     # context, then decode at its depth: fill and decode speed from one context) in chunked mode, f 0.25 first
-    { echo "== test-backend-ops -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev"
-      tl "$bdir/bin/test-backend-ops" -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev 2>&1 | grep -v "^ggml_cuda_init\|Device 0"; } \
-        > "$out/test_backend_ops.txt" 2>&1
-    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/lse.err" 2>&1
+    # (HI_TBO=0: no test-backend-ops; HI_BB_CFGS: the attention:fraction runs, HI_BB_DEPTH: their context)
+    if [ "${HI_TBO:-1}" = 1 ]; then
+        { echo "== test-backend-ops -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev"
+          tl "$bdir/bin/test-backend-ops" -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev 2>&1 | grep -v "^ggml_cuda_init\|Device 0"; } \
+            > "$out/test_backend_ops.txt" 2>&1
+    fi
+    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } >> "$out/lse.err" 2>&1
     tl ninja -C "$bdir" llama-batched-bench >> "$out/lse.err" 2>&1
-    for cfg in chunked:0.25 joined:0.25 chunked:1; do
+    for cfg in ${HI_BB_CFGS:-chunked:0.25 joined:0.25 chunked:1}; do
         bb "${HI_BB_DEPTH:-131072}" --headinfer-attn "${cfg%:*}" -hgf "${cfg#*:}"
     done
-    tar czf "$out/raw.tgz" -C "$out" lse.err bb.err 2>/dev/null
+    tar czf "$out/raw-$(date +%s).tgz" -C "$out" lse.err bb.err 2>/dev/null
     rm -f "$out/lse.err" "$out/bb.err"
     ;;
 lsebuf)
