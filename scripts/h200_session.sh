@@ -69,7 +69,7 @@ EOF
 bb() {  # depth, then flags: llama-batched-bench fills depth tokens at n_ubatch 2048 and decodes 16, f16 KV, into bb.md
     local depth=$1
     shift
-    local args=(-m "$model" -ngl 99 -fa on -ctk f16 -ctv f16 -c $(( depth + 256 )) -b 2048 -ub 2048 -npp "$depth" -ntg 16 -npl 1 "$@")
+    local args=(-m "$model" -ngl 99 -fa on -ctk f16 -ctv f16 -c $(( depth + 256 )) -b 2048 -ub 2048 -npp "$depth" -ntg 16 -npl 1 -v "$@")
     echo "== llama-batched-bench ${args[*]}" >> "$out/bb.md"
     { time tl "$bdir/bin/llama-batched-bench" "${args[@]}"; } 2>> "$out/bb.err" | grep "^|" >> "$out/bb.md"
     grep "CUDA0 compute buffer size\|CUDA_Host compute" "$out/bb.err" | tail -2 >> "$out/bb.md"
