@@ -72,7 +72,7 @@ bb() {  # depth, then flags: llama-batched-bench fills depth tokens at n_ubatch 
     local args=(-m "$model" -ngl 99 -fa on -ctk f16 -ctv f16 -c $(( depth + 256 )) -b 2048 -ub 2048 -npp "$depth" -ntg 16 -npl 1 -v "$@")
     echo "== llama-batched-bench ${args[*]}" >> "$out/bb.md"
     { time tl "$bdir/bin/llama-batched-bench" "${args[@]}"; } 2>> "$out/bb.err" | grep "^|" >> "$out/bb.md"
-    grep "CUDA0 compute buffer size\|CUDA_Host compute" "$out/bb.err" | tail -2 >> "$out/bb.md"
+    grep "I sched_reserve: *CUDA0 compute buffer size" "$out/bb.err" | tail -1 >> "$out/bb.md"
 }
 
 exactness_streamed_and_not() {  # gpu_check with fusion off, streamed (the default) and not, into gpu_check.txt
