@@ -66,10 +66,11 @@ for r in json.loads(text[text.index("["):]) if "[" in text else []:
 EOF
 }
 
-bb() {  # depth, then flags: llama-batched-bench fills depth tokens at n_ubatch 2048 and decodes 16, f16 KV, into bb.md
+bb() {  # depth, then flags: llama-batched-bench fills depth tokens at n_ubatch 2048 and decodes 16 (KV type HI_BB_KV,
+        # default f16), into bb.md
     local depth=$1
     shift
-    local args=(-m "$model" -ngl 99 -fa on -ctk f16 -ctv f16 -c $(( depth + 256 )) -b 2048 -ub 2048 -npp "$depth" -ntg 16 -npl 1 -v "$@")
+    local args=(-m "$model" -ngl 99 -fa on -ctk "${HI_BB_KV:-f16}" -ctv "${HI_BB_KV:-f16}" -c $(( depth + 256 )) -b 2048 -ub 2048 -npp "$depth" -ntg 16 -npl 1 -v "$@")
     echo "== llama-batched-bench ${args[*]}" >> "$out/bb.md"
     { time tl "$bdir/bin/llama-batched-bench" "${args[@]}"; } 2>> "$out/bb.err" | grep "^|" >> "$out/bb.md"
     grep "I sched_reserve: *CUDA0 compute buffer size" "$out/bb.err" | tail -1 >> "$out/bb.md"
@@ -333,7 +334,8 @@ lse)
 lse128)
     # issue 30 at 128K: test-backend-ops for the log-sum-exp attention, then llama-batched-bench (one fill of the
     # context, then decode at its depth: fill and decode speed from one context) in chunked mode, f 0.25 first
-    # (HI_TBO=0: no test-backend-ops; HI_BB_CFGS: the attention:fraction runs, HI_BB_DEPTH: their context)
+    # (HI_TBO=0: no test-backend-ops; HI_BB_CFGS: the attention:fraction runs, HI_BB_DEPTH: their context,
+    # HI_BB_KV: their KV type)
     if [ "${HI_TBO:-1}" = 1 ]; then
         { echo "== test-backend-ops -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev"
           tl "$bdir/bin/test-backend-ops" -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev 2>&1 | grep -v "^ggml_cuda_init\|Device 0"; } \
