@@ -407,8 +407,10 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
         if g < layer.n_head_kv:
             rows = max(rows, _host_row(s, layer, g) * T)  # converted rows waiting for the layer's host stores
         if quantized:
-            # f16 copies for flash attention (chunked: and K's for the log-sum-exp pass)
-            lw += (3 if s.attn_chunk else 2) * (layer.n_head_kv * layer.head_k + layer.row_v) * cells
+            k_elems = layer.n_head_kv * layer.head_k
+            lw += 2 * (k_elems + layer.row_v) * cells  # f16 copies of K and V for flash attention
+            if s.attn_chunk:
+                lw += 2 * k_elems * cells  # and K's own for the log-sum-exp pass (patch 0035)
         if s.attn_chunk:
             nh = info.n_head[layer.il]
             lw += f32 * T * nh * (2 * (layer.head_v + 1) + layer.head_v)  # two chunks' results, the values' scratch
