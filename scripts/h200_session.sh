@@ -83,6 +83,12 @@ exactness_streamed_and_not() {  # gpu_check with fusion off, streamed (the defau
           --types f16 --fracs 0.5 2>&1 | tail -3; } >> "$out/gpu_check.txt"
 }
 
+flash_attn_test_backend_ops() {  # the flash attention ops (the log-sum-exp ones included) against the CPU
+    { echo "== test-backend-ops -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev"
+      tl "$bdir/bin/test-backend-ops" -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev 2>&1 | grep -v "^ggml_cuda_init\|Device 0"; } \
+        > "$out/test_backend_ops.txt" 2>&1
+}
+
 scheduler_test() {  # the series' scheduler test (ggml only) on CUDA0, compiled against the build's libraries as
                     # tests/test_multi_device.py does, into test_backend_sched.txt
     local src
@@ -314,9 +320,7 @@ lse)
     # issue 30 on CUDA (ggml_flash_attn_ext_lse): the op against the CPU; chunked mode bit-identical across fractions
     # with fusion off; decode at 32K, the difference to the joined heads at 32K over 256 steps, fill, 128K decode
     # (the buffers: part lsebuf; a call of 585 s does not hold both after a build)
-    { echo "== test-backend-ops -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev"
-      tl "$bdir/bin/test-backend-ops" -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev 2>&1 | grep -v "^ggml_cuda_init\|Device 0"; } \
-        > "$out/test_backend_ops.txt" 2>&1
+    flash_attn_test_backend_ops
     { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --attn chunked --attn-chunk 256; } \
         > "$out/gpu_check.txt" 2>&1
     echo "gpu_check exit $?" >> "$out/gpu_check.txt"
@@ -337,9 +341,7 @@ lse128)
     # (HI_TBO=0: no test-backend-ops; HI_BB_CFGS: the attention:fraction runs, HI_BB_DEPTH: their context,
     # HI_BB_KV: their KV type)
     if [ "${HI_TBO:-1}" = 1 ]; then
-        { echo "== test-backend-ops -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev"
-          tl "$bdir/bin/test-backend-ops" -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev 2>&1 | grep -v "^ggml_cuda_init\|Device 0"; } \
-            > "$out/test_backend_ops.txt" 2>&1
+        flash_attn_test_backend_ops
     fi
     { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } >> "$out/lse.err" 2>&1
     tl ninja -C "$bdir" llama-batched-bench >> "$out/lse.err" 2>&1
