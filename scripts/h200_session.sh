@@ -12,7 +12,7 @@
 #   scripts/h200_session.sh OUTDIR params   # headinfer_stream / headinfer_attn as parameters: exactness, decode, splits (~3 min)
 #   scripts/h200_session.sh OUTDIR pin      # a pin's checks: gpu_check, test-backend-ops, test-llama-archs, 32K decode (~3 min)
 #   scripts/h200_session.sh OUTDIR writeback # host stores written back from the device: exactness, decode 8K-128K, buffers, host time (~5 min)
-#   scripts/h200_session.sh OUTDIR sched    # tests/test-backend-sched on CUDA0, decode at 32K (f 0.75, -r 3) and 128K (f 0.25) (~3 min)
+#   scripts/h200_session.sh OUTDIR sched    # tests/test-backend-sched on CUDA0, exactness, decode 8K/32K (-r 3), host time, 128K f 0.25 (~5 min)
 #   scripts/h200_session.sh OUTDIR hygiene  # exactness (fusion off, streamed and not), test-backend-ops + CONCAT perf, test-backend-sched (~4 min)
 #   scripts/h200_session.sh OUTDIR lse      # chunked attention on CUDA: test-backend-ops, exactness, decode 32K/128K, fill (~5 min)
 #   scripts/h200_session.sh OUTDIR lse128   # test-backend-ops, then fill + decode at 128K (HI_BB_DEPTH) in llama-batched-bench, chunked and joined (~6 min)
@@ -362,12 +362,18 @@ lsebuf)
     ;;
 sched)
     # the series' scheduler test (ggml only, compiled against the build's libraries as tests/test_multi_device.py
-    # does), then the two figures of issue 29's table below its targets, repeated
+    # does), exactness with fusion off (streamed and not: the prefetch of both slots changes the order of copies),
+    # then issue 29's table at 8K and 32K repeated, and 128K at f 0.25 (HI_SCHED_128K=0 skips it)
     scheduler_test
+    exactness_streamed_and_not
     { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/sched.err" 2>&1
     mkdir -p "$out/json"
-    lb dec_32k_r3 -ctk f16 -ctv f16 -hgf 1,0.75 -d 32768 -p 0 -n 32 -r 3
-    lb dec_128k_r2 -ctk f16 -ctv f16 -hgf 1,0.25 -d 131072 -p 0 -n 16 -r 2 -ub 2048
+    lb dec_8k_32k_r3 -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 3
+    tl python3 scripts/decode_host_time.py --model "$model" --depth 32768 --fracs 1,0.75,0.25 --stream gpu \
+        > "$out/host_time.md" 2>> "$out/sched.err"
+    if [ "${HI_SCHED_128K:-1}" = 1 ]; then
+        lb dec_128k_r2 -ctk f16 -ctv f16 -hgf 1,0.25 -d 131072 -p 0 -n 16 -r 2 -ub 2048
+    fi
     tar czf "$out/raw.tgz" -C "$out" json bench.err sched.err 2>/dev/null
     rm -rf "$out/json" "$out/bench.err" "$out/sched.err"
     ;;
