@@ -248,31 +248,50 @@ print("".join(text for _, text in log))
 
 CHUNKED_ON_RPC_CHILD = r"""
 import sys, logging
+import numpy as np
 sys.path.insert(0, "scripts")
 from gpu_check import rpc_servers
 from pyllama_headinfer.llama import Context, Model, rpc_add_server
 from pyllama_headinfer.runtime.log import capture_log
 logging.getLogger("pyllama_headinfer.llama").setLevel(logging.INFO)
-out = {}
+runs = {}
 with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
-    for attn in ("joined", "chunked"):
+    for attn, frac in (("chunked", 1.0), ("chunked", 0.5), ("joined", 0.5)):
         kw = dict(headinfer_attn_chunk=256) if attn == "chunked" else {}
-        with capture_log() as log, Context(model, n_ctx=1024, flash_attn=True, headinfer_gpu_heads_frac=0.5,
-                                           headinfer_stream="any", headinfer_attn=attn, **kw) as ctx:
-            ctx.decode(list(range(10, 400)))
-            out[attn] = ctx.logits(-1).tobytes().hex()
-        out[attn + "_log"] = [text for _, text in log if "headinfer" in text]
-print("SAME" if out["joined"] == out["chunked"] else "DIFFERENT")
-print("\n".join(out["chunked_log"]))
+        with capture_log() as log, Context(model, n_ctx=1024, n_batch=256, n_ubatch=256, flash_attn=True,
+                                           headinfer_gpu_heads_frac=frac, headinfer_stream="any",
+                                           headinfer_attn=attn, **kw) as ctx:
+            ctx.decode([10 + i % 500 for i in range(600)])  # 600 cells: three chunks of 256 per layer
+            steps = []
+            for _ in range(4):
+                logits = ctx.logits(-1)
+                steps.append(logits.tobytes().hex())
+                ctx.decode([int(np.argmax(logits))])
+        runs[f"{attn} {frac}"] = (steps, "".join(text for _, text in log))
+print("chunked 0.5 vs 1.0:", "SAME" if runs["chunked 0.5"][0] == runs["chunked 1.0"][0] else "DIFFERENT")
+print("chunked vs joined:", "SAME" if runs["chunked 0.5"][0] == runs["joined 0.5"][0] else "DIFFERENT")
+print("== chunked 0.5"); print(runs["chunked 0.5"][1])
+print("== joined 0.5"); print(runs["joined 0.5"][1])
 """
 
 
-def test_chunked_attention_falls_back_on_a_device_without_it(rpc_build, gguf_models):
-    """RPC devices do not take the log-sum-exp attention (RPC cannot ask its remote backend): a context asked for
-    headinfer_attn="chunked" there says so and attends to each layer in one piece, the joined heads' bits."""
-    out = run_split_child(rpc_build, CHUNKED_ON_RPC_CHILD, str(gguf_models["llama-gqa"]))
-    assert out.splitlines()[0] == "SAME", out[-3000:]
-    assert "one attention per layer instead of chunks" in out, out[-3000:]
+def test_chunked_attention_streams_one_chunk_at_a_time_on_rpc_devices(rpc_build, gguf_models):
+    """RPC devices ask their server whether it has the log-sum-exp attention (RPC_CMD_SUPPORTS_OP; the CPU server
+    of the test has it), so headinfer_attn="chunked" runs on them: the host heads of a split layer are streamed chunk
+    by chunk through the scheduler's two staging slots (one chunk each, where the joined heads need the whole layer's
+    cells), and every fraction gives frac 1.0's bits within the mode (issue 30 on the streamed path)."""
+    out = run_split_child(rpc_build, CHUNKED_ON_RPC_CHILD, str(gguf_models["llama-gqa"]), sched_debug="1")
+    assert "chunked 0.5 vs 1.0: SAME" in out, out[-3000:]
+    assert "chunked vs joined: DIFFERENT" in out, out[-3000:]  # the chunks are really there: another float order
+    assert "one attention per layer instead of chunks" not in out, out[-3000:]
+    chunked_log, joined_log = out.split("== chunked 0.5")[1].split("== joined 0.5")
+    # llama-gqa: 4 KV heads x 64, f16; at frac 0.5 a cell's host heads are 2 x 64 x 2 = 256 bytes for K, as for V
+    row, chunk = 256, 256
+    chunked, joined = streamed_bytes(chunked_log), streamed_bytes(joined_log)
+    assert chunked and joined, out[-3000:]
+    assert max(n for n, _ in chunked) == 2 * chunk * row, chunked  # K and V of one chunk per split
+    assert max(size for _, size in chunked) <= 2 * (chunk + 1) * row, chunked  # a slot holds one chunk
+    assert max(n for n, _ in joined) >= 2 * 3 * chunk * row, joined  # the joined heads stream the layer's 600+ cells
 
 
 def streamed_bytes(log: str) -> list[tuple[int, int]]:
