@@ -414,6 +414,13 @@ def test_layer_split_is_bit_exact_without_streaming(rpc_build):
     assert run.returncode == 0 and run.stdout.rstrip().endswith("all checks passed"), run.stdout[-3000:] + run.stderr[-2000:]
 
 
+def test_layer_split_is_bit_exact_in_chunks(rpc_build):
+    """headinfer_attn="chunked" on two RPC devices (patch 0037 lets them run it): greedy decoding, a state saved and
+    read, a K-shift and two KV streams give frac 1.0's bits in the mode, the host heads streamed chunk by chunk."""
+    run = gpu_check(rpc_build, "--types", "f16,q8_0", "--fracs", "0.5,0.25", "--attn-chunk", "256", attn="chunked")
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("all checks passed"), run.stdout[-3000:] + run.stderr[-2000:]
+
+
 def test_layer_split_is_bit_exact_attending_per_part(rpc_build):
     """headinfer_attn="parts" (patch 0020): the resident heads on the device where they live, the streamed host
     heads where they were staged, one attention each; the CPU backend of the RPC devices gives the same bits."""
