@@ -52,6 +52,9 @@ tl() {
     timeout "$left" "$@"
 }
 
+bench_model() {  # the 8B-shaped benchmark model (random weights; scripts/make_bench_model.py), made once per machine
+    [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"
+}
 lb() {  # name, then llama-bench arguments: markdown to bench.md, JSON kept for the speed model check
     local name=$1
     shift
@@ -128,7 +131,7 @@ checks)
     fi
     ;;
 bench)
-    [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model" > /dev/null
+    bench_model > /dev/null
     mkdir -p "$out/json"
     lb f16_8k_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 1
     lb q8_0_32k -ctk q8_0 -ctv q8_0 -hgf 1,0.5 -d 32768 -p 0 -n 32 -r 1
@@ -142,7 +145,7 @@ bench)
     tar czf "$out/bench_json.tgz" -C "$out" json && rm -rf "$out/json"
     ;;
 stream)
-    [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model" > /dev/null
+    bench_model > /dev/null
     mkdir -p "$out/json"
     lb dec_8k_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 1
     lb dec_nostream --headinfer-stream off -ctk f16 -ctv f16 -hgf 0.5 -d 8192,32768 -p 0 -n 32 -r 1
@@ -157,7 +160,7 @@ serve)
     # (openai client if carried in .whl, else the same requests through urllib). Writes
     # server_load.{md,json}, server_spec.{md,json}, server.log, serve.err.
     draft=/tmp/d1b.gguf  # Llama-3.2-1B shape, the 8B's vocabulary: a draft llama-server accepts
-    { time { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"
+    { time { bench_model
              [ -f "$draft" ] || python3 scripts/make_bench_model.py --out "$draft" --shape 1b; }; } > "$out/serve.err" 2>&1
     export PYTHONUNBUFFERED=1
     sb() { python3 scripts/server_bench.py "$@" --server "$bdir/bin/llama-server" --ngl 99 --server-log "$out/server.log"; }
@@ -177,7 +180,7 @@ streams)
     # fusion off (joined: bit-identical; parts: how far), decode joined vs parts, compute buffers, slots under load,
     # and one decode step of the 1B-shaped draft at 32K (the speculative loop's drafting). ~5 min; by priority.
     draft=/tmp/d1b.gguf
-    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"
+    { bench_model
       [ -f "$draft" ] || python3 scripts/make_bench_model.py --out "$draft" --shape 1b; } > "$out/streams.err" 2>&1
     export GGML_CUDA_DISABLE_FUSION=1
     for attn in joined parts; do
@@ -213,7 +216,7 @@ state)
     # tokens saved and restored through llama-server at frac 1 / 0.5 / 0.25 (slot file in /dev/shm: no disk)
     { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
     echo "gpu_check exit $?" >> "$out/gpu_check.txt"
-    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/state.err" 2>&1
+    bench_model > "$out/state.err" 2>&1
     { time tl python3 scripts/server_bench.py save --model "$model" --frac 1,0.5,0.25 --prompt-tokens 32768 \
           --repeat 3 --save-dir /dev/shm --json "$out/state_save.json" --server "$bdir/bin/llama-server" --ngl 99 \
           --server-log "$out/state_server.log"; } > "$out/state_save.md" 2>> "$out/state.err"
@@ -230,7 +233,7 @@ pin)
     done > "$out/test_backend_ops.txt" 2>&1
     tl "$bdir/bin/test-llama-archs" -a llama -s 1 > "$out/test_llama_archs.txt" 2>&1
     echo "test-llama-archs exit $?" >> "$out/test_llama_archs.txt"
-    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/pin.err" 2>&1
+    bench_model > "$out/pin.err" 2>&1
     mkdir -p "$out/json"
     lb dec_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 32768 -p 0 -n 32 -r 1
     python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
@@ -241,7 +244,7 @@ params)
     # issue 29.3/29.8: streaming is opt-in (llama_context_params.headinfer_stream), the per-part attention a parameter
     # (headinfer_attn): exactness with fusion off for the default and streaming off, decode at 32K per mode, splits
     exactness_streamed_and_not
-    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/params.err" 2>&1
+    bench_model > "$out/params.err" 2>&1
     mkdir -p "$out/json"
     lb dec_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 32768 -p 0 -n 32 -r 2
     lb dec_32k_off --headinfer-stream off -ctk f16 -ctv f16 -hgf 0.5 -d 32768 -p 0 -n 32 -r 1
@@ -258,7 +261,7 @@ slots)
     # per-slot streams far from full (4 slots of 32K holding ~8K each): patch 0018 streams the cells in use of each
     # slot, not the cells between them (issue 13.7); per-slot vs unified under the same load, then the 32K decode
     # at f = 0.75 repeated (issue 12's one figure below 95 % of the ceiling). ~3 min.
-    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/slots.err" 2>&1
+    bench_model > "$out/slots.err" 2>&1
     { echo "== GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion"
       GGML_CUDA_DISABLE_FUSION=1 tl python3 scripts/gpu_check.py --no-cuda-fusion 2>&1 | grep -v "ggml_cuda_init\|Device 0"
       echo "gpu_check exit ${PIPESTATUS[0]}"; } > "$out/gpu_check.txt"
@@ -276,7 +279,7 @@ writeback)
     # issue 29.1: the host stores of each layer written back from the device (patches 0023, 0024): exactness with
     # fusion off (streamed and not), the decode table of the issue, compute buffers at n_ubatch 2048, host time per step
     exactness_streamed_and_not
-    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/wb.err" 2>&1
+    bench_model > "$out/wb.err" 2>&1
     mkdir -p "$out/json"
     lb dec_8k_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 2
     { echo "== python3 scripts/graph_splits.py --ubatch 2048 --ctx 8192,32768,131072 --fracs 1,0.5,0.25"
@@ -305,7 +308,7 @@ hygiene)
     ;;
 table)
     # issue 29's table: decode at 8K/32K (-r 2) and 128K, and the compute buffers at n_ubatch 2048
-    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/table.err" 2>&1
+    bench_model > "$out/table.err" 2>&1
     mkdir -p "$out/json"
     lb dec_8k_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 2
     { echo "== python3 scripts/graph_splits.py --ubatch 2048 --ctx 8192,32768,131072 --fracs 1,0.5,0.25"
@@ -324,7 +327,7 @@ lse)
     { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --attn chunked --attn-chunk 256; } \
         > "$out/gpu_check.txt" 2>&1
     echo "gpu_check exit $?" >> "$out/gpu_check.txt"
-    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/lse.err" 2>&1
+    bench_model > "$out/lse.err" 2>&1
     mkdir -p "$out/json"
     lb dec_32k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 32768 -p 0 -n 32 -r 1
     { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/attn_parts_compare.py --no-cuda-fusion --mode chunked \
@@ -343,7 +346,7 @@ lse128)
     if [ "${HI_TBO:-1}" = 1 ]; then
         flash_attn_test_backend_ops
     fi
-    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } >> "$out/lse.err" 2>&1
+    bench_model >> "$out/lse.err" 2>&1
     tl ninja -C "$bdir" llama-batched-bench >> "$out/lse.err" 2>&1
     for cfg in ${HI_BB_CFGS:-chunked:0.25 joined:0.25 chunked:1}; do
         bb "${HI_BB_DEPTH:-131072}" --headinfer-attn "${cfg%:*}" -hgf "${cfg#*:}"
@@ -353,7 +356,7 @@ lse128)
     ;;
 lsebuf)
     # issue 30's buffer table: compute buffers at n_ubatch 2048 from 8K to 256K, chunked and joined
-    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/lsebuf.err" 2>&1
+    bench_model > "$out/lsebuf.err" 2>&1
     for attn in chunked joined; do
         { echo "== python3 scripts/graph_splits.py --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 --fracs 1,0.5,0.25"
           tl python3 scripts/graph_splits.py --model "$model" --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 \
@@ -366,7 +369,7 @@ sched)
     # then issue 29's table at 8K and 32K repeated, and 128K at f 0.25 (HI_SCHED_128K=0 skips it)
     scheduler_test
     exactness_streamed_and_not
-    { [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"; } > "$out/sched.err" 2>&1
+    bench_model > "$out/sched.err" 2>&1
     mkdir -p "$out/json"
     lb dec_8k_32k_r3 -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r 3
     tl python3 scripts/decode_host_time.py --model "$model" --depth 32768 --fracs 1,0.75,0.25 --stream gpu \
