@@ -86,9 +86,13 @@ exactness_streamed_and_not() {  # gpu_check with fusion off, streamed (the defau
           --types f16 --fracs 0.5 2>&1 | tail -3; } >> "$out/gpu_check.txt"
 }
 
-flash_attn_test_backend_ops() {  # the flash attention ops (the log-sum-exp ones included) against the CPU
+flash_attn_test_backend_ops() {  # the flash attention ops (the log-sum-exp ones included) against the CPU, then the
+    # time of one chunk of 8192 cells of the 8B shape, plain and with its log-sum-exp (patch 0039), at 1 and 4096 rows
+    local chunk='hsk=128,hsv=128,nh=8,nr23=\[4,1\],kv=8192,(kv_prev=256,)?nb=(1|4096),'
     { echo "== test-backend-ops -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev"
-      tl "$bdir/bin/test-backend-ops" -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev 2>&1 | grep -v "^ggml_cuda_init\|Device 0"; } \
+      tl "$bdir/bin/test-backend-ops" -o FLASH_ATTN_EXT -b CUDA0 -p kv_prev 2>&1 | grep -v "^ggml_cuda_init\|Device 0"
+      echo "== test-backend-ops perf -o FLASH_ATTN_EXT -b CUDA0 -p '$chunk'"
+      tl "$bdir/bin/test-backend-ops" perf -o FLASH_ATTN_EXT -b CUDA0 -p "$chunk" 2>&1 | grep "FLASH_ATTN_EXT("; } \
         > "$out/test_backend_ops.txt" 2>&1
 }
 
