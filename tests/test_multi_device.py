@@ -294,6 +294,43 @@ def test_chunked_attention_streams_one_chunk_at_a_time_on_rpc_devices(rpc_build,
     assert max(n for n, _ in joined) >= 2 * 3 * chunk * row, joined  # the joined heads stream the layer's 600+ cells
 
 
+BUFFERS_ON_RPC_CHILD = r"""
+import re, sys
+sys.path.insert(0, "scripts")
+from gpu_check import rpc_servers
+from pyllama_headinfer.llama import Context, Model, rpc_add_server
+from pyllama_headinfer.runtime.log import capture_log
+with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
+    for attn in ("joined", "chunked"):
+        for n_ctx in (4096, 16384):
+            for frac in (1.0, 0.5):
+                kw = dict(headinfer_attn_chunk=256) if attn == "chunked" else {}
+                with capture_log() as log, Context(model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, flash_attn=True,
+                                                   headinfer_gpu_heads_frac=frac, headinfer_stream="any",
+                                                   headinfer_attn=attn, **kw):
+                    pass
+                sizes = [float(m.group(1)) for _, text in log
+                         for m in [re.search(r"RPC0\S* compute buffer size = +([0-9.]+) MiB", text)] if m]
+                print(attn, n_ctx, frac, sizes[-1])
+"""
+
+
+def test_chunked_attention_bounds_the_device_buffer_with_streaming(rpc_build, gguf_models):
+    """Issue 30's bound with the scheduler's streaming on (RPC devices): what a split layer adds to the device's
+    compute buffer over frac 1.0 (its staging slots included, patch 0029) grows with the context when it attends in
+    one piece (the slots and the joined heads hold the layer's cells) and stays put in chunks (one chunk each)."""
+    out = run_split_child(rpc_build, BUFFERS_ON_RPC_CHILD, str(gguf_models["llama-gqa"]))
+    mib = {(attn, int(n_ctx), float(frac)): float(size)
+           for attn, n_ctx, frac, size in re.findall(r"^(\w+) (\d+) ([0-9.]+) ([0-9.]+)$", out, flags=re.M)}
+    assert len(mib) == 8, out
+    growth = {attn: (mib[attn, 16384, 0.5] - mib[attn, 16384, 1.0]) - (mib[attn, 4096, 0.5] - mib[attn, 4096, 1.0])
+              for attn in ("joined", "chunked")}
+    assert growth["joined"] > 8, (growth, mib)  # the layer's heads, staged and joined: ~1 MiB per 1K cells here
+    # in chunks: the chunk blocks of the k/v idxs inputs (chunks x n_ubatch x 8 bytes, K and V) and their copies on
+    # the device, ~0.75 MiB from 4K to 16K here (1.12 measured)
+    assert growth["chunked"] < growth["joined"] / 8, (growth, mib)
+
+
 def streamed_bytes(log: str) -> list[tuple[int, int]]:
     """(bytes streamed, slot size) of each streamed split (GGML_SCHED_DEBUG=1: "split #i streams N bytes into slot s
     (S bytes)")."""
