@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from pyllama_headinfer.cli import main as cli
 from pyllama_headinfer.cli import serve as serve_cli
+from pyllama_headinfer.cli import generate as generate_cli
 from pyllama_headinfer.cli.generate import kv_type_for_budget
 from pyllama_headinfer.params import ContextParams
 from pyllama_headinfer.vram import speed as plan_speed
@@ -129,6 +131,24 @@ def test_plan_names_q8_0_fastest_and_an_f16_split_fastest_exact(budget_between, 
     text = capsys.readouterr().out
     assert "fastest overall: K q8_0 / V q8_0, frac 1" in text and "fastest exact: K f16 / V f16" in text
     assert "--cache-type-k q8_0" in text
+
+
+def test_the_printed_generate_commands_run_the_planned_context(budget_between, capsys):
+    """Each command line plan prints gives generate the context it planned: the mode of attention, the chunk and
+    the batch too (without them a plan that fits only in chunks would print a command that attends in one piece)."""
+    model, budget = budget_between
+    assert cli.main(["plan", "--model", str(model), "--ctx", "32768", "--vram", str(budget), "--batch", "256",
+                     "--headinfer-attn", "chunked", "--headinfer-attn-chunk", "1024"]) == 0
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()
+             if line.strip().startswith("python -m pyllama_headinfer generate ")]
+    assert len(lines) == 2, lines  # the fastest and the fastest exact
+    for line in lines:
+        parser = argparse.ArgumentParser()
+        generate_cli.add_arguments(parser)
+        params = generate_cli.context_params(parser.parse_args(shlex.split(line)[4:]))
+        assert (params.n_ctx, params.n_batch, params.n_ubatch, params.flash_attn) == (32768, 256, 256, True), line
+        assert (params.headinfer_attn, params.headinfer_attn_chunk) == ("chunked", 1024), line
+        assert params.headinfer_gpu_heads_frac is not None and params.type_k in ("f16", "q8_0", "q4_0"), line
 
 
 def test_generate_and_serve_pick_exact_unless_told(budget_between, tmp_path):

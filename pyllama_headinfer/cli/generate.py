@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngl", "--n-gpu-layers", dest="ngl", type=int, default=0,
                         help="layers to offload to the GPU (-1 = all; default 0)")
     parser.add_argument("--ctx", "-c", type=int, default=4096, help="context size (default 4096)")
-    parser.add_argument("--batch", type=int, default=512, help="logical batch size (default 512)")
+    parser.add_argument("--batch", type=int, default=ContextParams.n_batch,
+                        help=f"logical batch size (default {ContextParams.n_batch})")
     parser.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: llama.cpp's)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     parser.add_argument("--temp", type=float, default=0.8, help="temperature; <= 0 means greedy (default 0.8)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from pyllama_headinfer.errors import EXIT_FAILURE, EXIT_OK
@@ -23,6 +24,8 @@ from pyllama_headinfer.params import KV_CACHE_TYPES, ContextParams, parse_size
 from pyllama_headinfer.vram.model import read_model_info
 from pyllama_headinfer.vram.plan import force_split_from_env, plan_kv
 from pyllama_headinfer.vram.speed import load_calibration, rank_options
+
+DEFAULT_BATCH = ContextParams.n_batch  # n_batch = n_ubatch, as generate's --batch sets them
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swa-full", action=argparse.BooleanOptionalAction, default=True,
                         help="full-size SWA cache (llama_context_default_params: on; --no-swa-full: "
                              "window-sized, pad(n_swa + n_ubatch, 256) cells)")
-    parser.add_argument("--batch", type=int, default=512,
+    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH,
                         help="n_batch = n_ubatch, as generate sets them (default 512)")
     parser.add_argument("--no-flash-attn", dest="flash_attn", action="store_false",
                         help="flash attention off (then no layer splits)")
@@ -71,6 +74,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the only stored ones, else the H200 defaults)")
 
 
+def generate_command(args: argparse.Namespace) -> str:
+    """The start of a ``generate`` command line for the plan's context: every option of the plan that generate has
+    (its ranking appends the KV types and the fraction). Without them the printed command would run another context
+    than the one planned: e.g. one attention per layer where the plan fits only in chunks."""
+    parts = ["python -m pyllama_headinfer generate", f"--model {shlex.quote(str(args.model))}", f"--ctx {args.ctx}",
+             f"--ngl {args.ngl}"]
+    if args.batch != DEFAULT_BATCH:
+        parts.append(f"--batch {args.batch}")
+    if not args.flash_attn:
+        parts.append("--no-flash-attn")
+    if args.headinfer_attn != "joined":
+        parts.append(f"--headinfer-attn {args.headinfer_attn}")
+    if args.headinfer_attn_chunk:
+        parts.append(f"--headinfer-attn-chunk {args.headinfer_attn_chunk}")
+    parts.append('--prompt "..."')
+    return " ".join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
     force = force_split_from_env() if args.force_split is None else args.force_split
     margin = parse_size(args.margin) if args.margin not in ("0", "", None) else 0
@@ -83,9 +104,8 @@ def run(args: argparse.Namespace) -> int:
     nothing_fits = p.budget is not None and p.chosen is None
     ranking = None
     if args.rank or (args.rank is None and args.vram is not None):
-        prefix = f"python -m pyllama_headinfer generate --model {args.model} --ctx {args.ctx} --ngl {args.ngl}"
         ranking = rank_options(info, params, depth=args.depth, constants=load_calibration(args.speed_device),
-                               command_prefix=prefix, n_gpu_layers=args.ngl, force_split=force, margin=margin)
+                               command_prefix=generate_command(args), n_gpu_layers=args.ngl, force_split=force, margin=margin)
     if args.json:
         print(json.dumps({**p.to_dict(), **(ranking.to_dict() if ranking else {})}, indent=2))
     else:  # when nothing fits, the reason and what would fit go to stderr (once)
