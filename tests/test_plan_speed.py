@@ -169,6 +169,28 @@ def test_generate_and_serve_pick_exact_unless_told(budget_between, tmp_path):
         assert "fastest overall" in command.notes[0] or allow
 
 
+def test_serve_plans_the_attention_mode_it_passes_to_llama_server(budget_between):
+    """serve --vram-budget -- --headinfer-attn chunked: the fraction is planned for attention in chunks (a split layer
+    needs one chunk on the device, not its cells), not for one attention per layer, which needs more."""
+    model, _ = budget_between
+    chunked = ["--headinfer-attn", "chunked", "--headinfer-attn-chunk", "1024"]
+    rows = {attn: plan_kv(model, ContextParams(n_ctx=32768, n_batch=2048, n_ubatch=512, headinfer_attn=attn,
+                                               headinfer_attn_chunk=1024 if attn == "chunked" else 0),
+                          n_gpu_layers=-1).rows for attn in ("joined", "chunked")}
+    # a budget that fits g KV heads on the device in chunks but not one attention per layer
+    g = next(i for i in range(len(rows["joined"]) - 2, -1, -1)
+             if rows["chunked"][i].device_total < rows["joined"][i].device_total)
+    budget = (rows["chunked"][g].device_total + rows["joined"][g].device_total) // 2
+    fracs = {}
+    for attn, extra in (("joined", []), ("chunked", chunked)):
+        command = serve_cli.server_command(model, frac=None, vram_budget=str(budget), margin="0", host="127.0.0.1",
+                                           port=8080, extra=["-c", "32768", "-ctk", "f16", "-ctv", "f16", *extra],
+                                           server=Path("/bin/true"))
+        fracs[attn] = command.frac
+    assert fracs["chunked"] == rows["chunked"][g].frac, (fracs, g)
+    assert fracs["joined"] < fracs["chunked"], fracs
+
+
 def test_rank_options_without_budget_lists_everything(gguf_models):
     ranking = rank_options(gguf_models["llama-gqa"], ContextParams(n_ctx=4096), n_gpu_layers=-1)
     assert ranking.budget is None and all(o.fits for o in ranking.options)

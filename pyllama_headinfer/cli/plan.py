@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     ranking = None
     if args.rank or (args.rank is None and args.vram is not None):
         ranking = rank_options(info, params, depth=args.depth, constants=load_calibration(args.speed_device),
-                               command_prefix=generate_command(args), n_gpu_layers=args.ngl, force_split=force, margin=margin)
+                               command_prefix=generate_command(args), n_gpu_layers=args.ngl, force_split=force,
+                               margin=margin)
     if args.json:
         print(json.dumps({**p.to_dict(), **(ranking.to_dict() if ranking else {})}, indent=2))
     else:  # when nothing fits, the reason and what would fit go to stderr (once)

@@ -6,9 +6,10 @@ current build, under the HeadInfer split.
 
 Starts ``llama-server`` (built by ``build --tools``, found through the build's
 manifest) with flash attention on and ``-hgf F``; with ``--vram-budget`` the
-fraction comes from the planner, fed with the server's context size, slots
-and cache types taken from the extra arguments (``-c``, ``-np``, ``-ctk``,
-``-ctv``, ``-b``, ``-ub``, ``-ngl``, ``-kvu``). Waits until the server answers
+fraction comes from the planner, fed with the server's context size, slots,
+cache types and attention mode taken from the extra arguments (``-c``, ``-np``,
+``-ctk``, ``-ctv``, ``-b``, ``-ub``, ``-ngl``, ``-kvu``, ``--headinfer-attn``,
+``--headinfer-attn-chunk``). Waits until the server answers
 ``/health``, then prints its URL and the split decision llama.cpp logged
 (never guessed), and stays in the foreground: SIGINT/SIGTERM are forwarded,
 and the exit status is the server's. A port in use, a build without the
@@ -62,6 +63,8 @@ _PASSTHROUGH_VALUES = {
     "batch": ("-b", "--batch-size"),
     "ubatch": ("-ub", "--ubatch-size"),
     "ngl": ("-ngl", "--gpu-layers", "--n-gpu-layers"),
+    "attn": ("--headinfer-attn",),
+    "attn_chunk": ("--headinfer-attn-chunk",),
 }
 _OWNED = ("-m", "--model", "--host", "--port", "-hgf", "--headinfer-gpu-heads-frac")
 
@@ -202,9 +205,12 @@ def _frac_for_server(model: Path, vram_budget, margin, extra: Sequence[str], all
     given = type_k is not None or type_v is not None
     types = [(type_k or "f16")] if given else ["f16", "q8_0", "q4_0"]
     try:
+        # the attention mode changes what a split layer needs on the device (in chunks: one chunk, not the layer)
         params = ContextParams(n_ctx=n_ctx, n_seq_max=n_parallel, kv_unified=unified, n_batch=batch,
                                n_ubatch=_int_option(extra, "ubatch", min(batch, 512)),
-                               headinfer_vram_budget=vram_budget)
+                               headinfer_vram_budget=vram_budget,
+                               headinfer_attn=_option_value(extra, _PASSTHROUGH_VALUES["attn"]) or "joined",
+                               headinfer_attn_chunk=_int_option(extra, "attn_chunk", 0))
         ranking = rank_options(info, params, types=types, n_gpu_layers=_int_option(extra, "ngl", -1), margin=margin)
     except (PlanError, ValueError) as exc:
         raise UsageError(f"--vram-budget: {exc}") from None
