@@ -75,6 +75,29 @@ def test_bench_cli_table_and_json(models, gguf_models, force_split, tmp_path, ca
     assert all(r["host_kv_bytes"] == 3 * r["device_kv_bytes"] for r in quarter)  # 1 of 4 heads resident
 
 
+def test_bench_cli_measures_attention_in_chunks(gguf_models, force_split, tmp_path, capsys):
+    """--headinfer-attn chunked: every point's context attends in chunks (the JSON says so), at every fraction."""
+    out = tmp_path / "r.json"
+    rc = cli.main(["bench", "-m", str(gguf_models["llama-gqa"]), "--fracs", "1,0.5", "--depths", "600", "-n", "2",
+                   "--batch", "256", "--headinfer-attn", "chunked", "--headinfer-attn-chunk", "256", "--json", str(out),
+                   "--no-plot"])
+    assert rc == 0, capsys.readouterr().err
+    rows = json.loads(out.read_text())
+    assert [(r["frac"], r["headinfer_attn"], r["headinfer_attn_chunk"]) for r in rows] == [
+        (1.0, "chunked", 256), (0.5, "chunked", 256)]
+    assert all(r["error"] is None and r["decode_tps"] > 0 and r["prompt_tps"] > 0 for r in rows)
+    assert rows[1]["n_layers_split"] == 3
+
+
+def test_run_point_attends_in_the_points_mode(models, force_split):
+    from pyllama_headinfer.runtime.log import capture_log
+
+    point = bench.BenchPoint(depth=300, frac=0.5, headinfer_attn="chunked", headinfer_attn_chunk=256)
+    with capture_log() as log:
+        bench.run_point(models["llama-gqa"], point, n_gen=1, n_batch=128)
+    assert any("every layer attends in chunks of 256 KV cells" in text for _, text in log)
+
+
 def test_bench_cli_a_failing_point_is_reported_and_the_rest_measured(gguf_models, force_split, tmp_path, capsys):
     """A budget too small for the model fails every point at context creation: each is a 'failed' row
     with its reason, the JSON is still written, and the exit status says so."""
@@ -96,6 +119,9 @@ def test_bench_cli_a_failing_point_is_reported_and_the_rest_measured(gguf_models
     (["--vram-budget", "8GiB", "--fracs", "0.5"], "not allowed with argument"),
     (["--vram-budget", "lots"], "cannot read 'lots' as a size"),
     (["-n", "0"], "must be >= 1"),
+    (["--headinfer-attn", "chunked", "--headinfer-attn-chunk", "300"], "multiple of 256"),
+    (["--headinfer-attn-chunk", "512"], "applies to headinfer_attn='chunked' only"),
+    (["--headinfer-attn", "sideways"], "invalid choice"),
 ])
 def test_bench_cli_bad_input_is_a_usage_error(argv, message, gguf_models, capsys):
     rc = cli.main(["bench", "-m", str(gguf_models["llama-gqa"]), *argv])
