@@ -163,13 +163,13 @@ def test_only_a_build_of_the_binding_s_pin_is_packed():
 
 def test_python_series_is_separate_and_applied(lcp):
     names = read_series_names(paths.python_patches_dir())
-    assert len(names) == 7 and all(n.endswith(".patch") for n in names)
+    assert len(names) == 9 and all(n.endswith(".patch") for n in names)
     assert not set(names) & set(read_series_names())  # the C series does not list them
     tree = build_dir() / "llama-cpp-python" / "src"
     result = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "patch", "status", "--series",
                              "llama-cpp-python", "--llama-src", str(tree)], cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
-    assert result.returncode == 0 and "APPLIED: all 7 patches" in result.stdout, result.stdout
+    assert result.returncode == 0 and "APPLIED: all 9 patches" in result.stdout, result.stdout
 
 
 # --------------------------------------------------------------------------
@@ -253,6 +253,52 @@ def test_real_models_same_at_any_fraction(lcp, gemma, tmp_path, built):
         assert (split["text"], split["tokens"], split["logits"], split["chat"]) == \
             (whole["text"], whole["tokens"], whole["logits"], whole["chat"]), path
         assert out["cont"]["1.0->0.5"] == out["cont"]["0.5->1.0"] == out["cont"]["1.0->1.0"]
+
+
+CHUNKED_CODE = r"""
+import hashlib, json, sys
+from llama_cpp import Llama
+model = sys.argv[1]
+kw = dict(n_ctx=1024, n_batch=256, seed=7, flash_attn=True, verbose=False, logits_all=True)
+prompt = " ".join(["Once upon a time there was a little town by the sea."] * 20)  # ~580 tokens: 3 chunks of 256
+out = {}
+for attn, frac in (("chunked", 1.0), ("chunked", 0.5), ("joined", 1.0)):
+    extra = dict(headinfer_attn_chunk=256) if attn == "chunked" else {}
+    llm = Llama(model, headinfer_gpu_heads_frac=frac, headinfer_attn=attn, **extra, **kw)
+    r = llm.create_completion(prompt, max_tokens=8, temperature=0.0)
+    scores = llm.scores[: llm.n_tokens].copy()
+    state = llm.__getstate__()
+    out[f"{attn} {frac}"] = {"text": r["choices"][0]["text"], "n_tokens": llm.n_tokens,
+                             "logits": hashlib.sha256(scores.tobytes()).hexdigest(),
+                             "getstate": [state["headinfer_attn"], state["headinfer_attn_chunk"]]}
+bad = {}
+for label, kwargs in (("mode", dict(headinfer_attn="sideways")), ("chunk", dict(headinfer_attn="chunked", headinfer_attn_chunk=300)),
+                      ("chunk without chunks", dict(headinfer_attn_chunk=512)),
+                      ("no flash", dict(headinfer_attn="chunked", flash_attn=False))):
+    try:
+        Llama(model, verbose=False, **{"flash_attn": True, **kwargs})
+        bad[label] = "accepted"
+    except ValueError as exc:
+        bad[label] = "ValueError: " + str(exc)
+out["bad"] = bad
+print(json.dumps(out))
+"""
+
+
+def test_attention_in_chunks_is_the_same_at_any_fraction(lcp, gguf_models):
+    """Llama(headinfer_attn="chunked", headinfer_attn_chunk=256): the prompt spans several chunks; the split (0.5)
+    gives frac 1.0's text and logits within the mode, another float order than one attention per layer; the keywords
+    survive __getstate__ and bad values are ValueErrors before the model loads."""
+    out = run_py(lcp, CHUNKED_CODE, str(gguf_models["llama-gqa"]))
+    whole, split, joined = out["chunked 1.0"], out["chunked 0.5"], out["joined 1.0"]
+    assert whole["n_tokens"] > 2 * 256, whole
+    assert (split["text"], split["logits"]) == (whole["text"], whole["logits"])
+    assert joined["logits"] != whole["logits"]  # the chunks are really there
+    assert whole["getstate"] == ["chunked", 256] and joined["getstate"] == ["joined", 0]
+    assert out["bad"]["mode"].startswith("ValueError: headinfer_attn must be one of"), out["bad"]
+    assert "multiple of 256" in out["bad"]["chunk"], out["bad"]
+    assert "applies to headinfer_attn='chunked' only" in out["bad"]["chunk without chunks"], out["bad"]
+    assert "needs flash attention" in out["bad"]["no flash"], out["bad"]
 
 
 BAD_CODE = r"""
