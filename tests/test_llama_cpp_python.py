@@ -262,19 +262,22 @@ model = sys.argv[1]
 kw = dict(n_ctx=1024, n_batch=256, seed=7, flash_attn=True, verbose=False, logits_all=True)
 prompt = " ".join(["Once upon a time there was a little town by the sea."] * 20)  # ~580 tokens: 3 chunks of 256
 out = {}
-for attn, frac in (("chunked", 1.0), ("chunked", 0.5), ("joined", 1.0)):
+for attn, frac, stream in (("chunked", 1.0, "gpu"), ("chunked", 0.5, "off"), ("joined", 1.0, "gpu")):
     extra = dict(headinfer_attn_chunk=256) if attn == "chunked" else {}
-    llm = Llama(model, headinfer_gpu_heads_frac=frac, headinfer_attn=attn, **extra, **kw)
+    llm = Llama(model, headinfer_gpu_heads_frac=frac, headinfer_attn=attn, headinfer_stream=stream, **extra, **kw)
     r = llm.create_completion(prompt, max_tokens=8, temperature=0.0)
     scores = llm.scores[: llm.n_tokens].copy()
     state = llm.__getstate__()
     out[f"{attn} {frac}"] = {"text": r["choices"][0]["text"], "n_tokens": llm.n_tokens,
                              "logits": hashlib.sha256(scores.tobytes()).hexdigest(),
-                             "getstate": [state["headinfer_attn"], state["headinfer_attn_chunk"]]}
+                             "getstate": [state["headinfer_attn"], state["headinfer_attn_chunk"],
+                                          state["headinfer_stream"]]}
 bad = {}
-for label, kwargs in (("mode", dict(headinfer_attn="sideways")), ("chunk", dict(headinfer_attn="chunked", headinfer_attn_chunk=300)),
+for label, kwargs in (("mode", dict(headinfer_attn="sideways")),
+                      ("chunk", dict(headinfer_attn="chunked", headinfer_attn_chunk=300)),
                       ("chunk without chunks", dict(headinfer_attn_chunk=512)),
-                      ("no flash", dict(headinfer_attn="chunked", flash_attn=False))):
+                      ("no flash", dict(headinfer_attn="chunked", flash_attn=False)),
+                      ("stream", dict(headinfer_stream="sometimes"))):
     try:
         Llama(model, verbose=False, **{"flash_attn": True, **kwargs})
         bad[label] = "accepted"
@@ -294,11 +297,13 @@ def test_attention_in_chunks_is_the_same_at_any_fraction(lcp, gguf_models):
     assert whole["n_tokens"] > 2 * 256, whole
     assert (split["text"], split["logits"]) == (whole["text"], whole["logits"])
     assert joined["logits"] != whole["logits"]  # the chunks are really there
-    assert whole["getstate"] == ["chunked", 256] and joined["getstate"] == ["joined", 0]
+    assert whole["getstate"] == ["chunked", 256, "gpu"] and joined["getstate"] == ["joined", 0, "gpu"]
+    assert split["getstate"] == ["chunked", 256, "off"]
     assert out["bad"]["mode"].startswith("ValueError: headinfer_attn must be one of"), out["bad"]
     assert "multiple of 256" in out["bad"]["chunk"], out["bad"]
     assert "applies to headinfer_attn='chunked' only" in out["bad"]["chunk without chunks"], out["bad"]
     assert "needs flash attention" in out["bad"]["no flash"], out["bad"]
+    assert out["bad"]["stream"].startswith("ValueError: headinfer_stream must be one of"), out["bad"]
 
 
 BAD_CODE = r"""

@@ -2,7 +2,7 @@
 
     python -m pyllama_headinfer bench --model M.gguf [--fracs 1,0.75,0.5,0.25 | --vram-budget 24GiB] \\
         [--depths 4096,32768] [--types f16,q8_0] [-n 32] [--repeat 1] [--ngl 99] [--json out.json] [--plot out.png] \\
-        [--headinfer-attn chunked [--headinfer-attn-chunk 8192]]
+        [--headinfer-attn chunked [--headinfer-attn-chunk 8192]] [--headinfer-stream gpu|off|any]
 
 For each point: prompt (prefill) and decode tokens/s, and the KV MiB in the
 layers' own buffers (the GPU's when offloaded) and in the HeadInfer host halves
@@ -25,8 +25,8 @@ from pyllama_headinfer.api.bench import run_sweep, sweep_points
 from pyllama_headinfer.api.devices import list_devices
 from pyllama_headinfer.api.model import Model
 from pyllama_headinfer.errors import EXIT_FAILURE, EXIT_OK
-from pyllama_headinfer.params import (HEADINFER_ATTN_TYPES, KV_CACHE_TYPES, ContextParams, check_headinfer_frac,
-                                      parse_size)
+from pyllama_headinfer.params import (HEADINFER_ATTN_TYPES, HEADINFER_STREAM_TYPES, KV_CACHE_TYPES, ContextParams,
+                                      check_headinfer_frac, parse_size)
 from pyllama_headinfer.vram.plan import plan_kv
 from pyllama_headinfer.vram.speed import calibrate, exact, save_calibration
 
@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "docs/ARENA.md)")
     parser.add_argument("--headinfer-attn-chunk", type=int, default=0, metavar="CELLS",
                         help="KV cells per chunk with --headinfer-attn chunked (default 0: llama.cpp's)")
+    parser.add_argument("--headinfer-stream", choices=tuple(HEADINFER_STREAM_TYPES), default="gpu",
+                        help="how split layers' host heads reach the device (headinfer_stream; default gpu)")
     parser.add_argument("--ngl", "--n-gpu-layers", dest="ngl", type=int, default=99,
                         help="layers to offload to the GPU (default 99 = all)")
     parser.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: llama.cpp's)")
@@ -201,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
 
     # a bad chunk (not a multiple of 256, or given without chunks) is a ValueError naming it, before any model loads
     ContextParams(headinfer_attn=args.headinfer_attn, headinfer_attn_chunk=args.headinfer_attn_chunk)
-    points = sweep_points(fracs, depths, kv_types, args.vram_budget, args.headinfer_attn, args.headinfer_attn_chunk)
+    points = sweep_points(fracs, depths, kv_types, args.vram_budget, args.headinfer_attn, args.headinfer_attn_chunk,
+                          args.headinfer_stream)
     with Model(args.model, n_gpu_layers=args.ngl) as model:
         log.info("model: %s (%s), %d points, split layers attend %s", model.path.name, model.description,
                  len(points), "in chunks" if args.headinfer_attn == "chunked" else f"as {args.headinfer_attn!r}")
