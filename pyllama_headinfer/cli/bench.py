@@ -25,8 +25,8 @@ from pyllama_headinfer.api.bench import run_sweep, sweep_points
 from pyllama_headinfer.api.devices import list_devices
 from pyllama_headinfer.api.model import Model
 from pyllama_headinfer.errors import EXIT_FAILURE, EXIT_OK
-from pyllama_headinfer.params import (HEADINFER_ATTN_TYPES, HEADINFER_STREAM_TYPES, KV_CACHE_TYPES, ContextParams,
-                                      check_headinfer_frac, parse_size)
+from pyllama_headinfer.cli.options import add_headinfer_mode_arguments
+from pyllama_headinfer.params import KV_CACHE_TYPES, ContextParams, check_headinfer_frac, parse_size
 from pyllama_headinfer.vram.plan import plan_kv
 from pyllama_headinfer.vram.speed import calibrate, exact, save_calibration
 
@@ -49,13 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--n-gen", type=int, default=32, help="decoded tokens per measurement (default 32)")
     parser.add_argument("--repeat", "-r", type=int, default=1, help="measurements per point, averaged (default 1)")
     parser.add_argument("--batch", type=int, default=512, help="batch (= ubatch) size of the prefill (default 512)")
-    parser.add_argument("--headinfer-attn", choices=tuple(HEADINFER_ATTN_TYPES), default="joined",
-                        help="how split layers attend (headinfer_attn; default joined; chunked: in chunks of KV cells, "
-                             "docs/ARENA.md)")
-    parser.add_argument("--headinfer-attn-chunk", type=int, default=0, metavar="CELLS",
-                        help="KV cells per chunk with --headinfer-attn chunked (default 0: llama.cpp's)")
-    parser.add_argument("--headinfer-stream", choices=tuple(HEADINFER_STREAM_TYPES), default="gpu",
-                        help="how split layers' host heads reach the device (headinfer_stream; default gpu)")
+    add_headinfer_mode_arguments(parser)
     parser.add_argument("--ngl", "--n-gpu-layers", dest="ngl", type=int, default=99,
                         help="layers to offload to the GPU (default 99 = all)")
     parser.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: llama.cpp's)")

@@ -22,7 +22,8 @@ from pyllama_headinfer.api.model import Model
 from pyllama_headinfer.api.residency import format_kv_residency, split_summary
 from pyllama_headinfer.api.sampler import Sampler
 from pyllama_headinfer.errors import EXIT_OK, UsageError
-from pyllama_headinfer.params import HEADINFER_ATTN_TYPES, HEADINFER_STREAM_TYPES, ContextParams
+from pyllama_headinfer.cli.options import add_headinfer_mode_arguments
+from pyllama_headinfer.params import ContextParams
 from pyllama_headinfer.runtime import bindings
 from pyllama_headinfer.vram.speed import rank_options
 
@@ -40,17 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     headinfer.add_argument("--vram-budget", default=None,
                            help="HeadInfer: derive the fraction from a GPU memory budget, e.g. 24GiB (instead of "
                                 "--frac; see the plan command)")
-    parser.add_argument("--headinfer-attn", choices=tuple(HEADINFER_ATTN_TYPES), default="joined",
-                        help="HeadInfer: how a split layer's attention reads its two halves: joined (bit-identical "
-                             "to --frac 1.0; default), parts (no join, another float order on CUDA) or chunked "
-                             "(every layer in chunks of KV cells merged exactly, the same for every --frac; "
-                             "another float order than joined)")
-    parser.add_argument("--headinfer-attn-chunk", type=int, default=0, metavar="CELLS",
-                        help="HeadInfer: KV cells per chunk with --headinfer-attn chunked, a multiple of 256 "
-                             "(default 0: llama.cpp's, 8192)")
-    parser.add_argument("--headinfer-stream", choices=tuple(HEADINFER_STREAM_TYPES), default="gpu",
-                        help="HeadInfer: copy the host heads one layer ahead on CUDA/HIP GPUs (gpu, default), when "
-                             "their layer starts (off), or ahead on any async device (any: RPC, for tests)")
+    add_headinfer_mode_arguments(parser)
     parser.add_argument("--ngl", "--n-gpu-layers", dest="ngl", type=int, default=0,
                         help="layers to offload to the GPU (-1 = all; default 0)")
     parser.add_argument("--ctx", "-c", type=int, default=4096, help="context size (default 4096)")

@@ -25,8 +25,6 @@ from pyllama_headinfer.vram.model import read_model_info
 from pyllama_headinfer.vram.plan import force_split_from_env, plan_kv
 from pyllama_headinfer.vram.speed import load_calibration, rank_options
 
-DEFAULT_BATCH = ContextParams.n_batch  # n_batch = n_ubatch, as generate's --batch sets them
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", required=True, help="GGUF model file (only its metadata is read)")
@@ -45,8 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swa-full", action=argparse.BooleanOptionalAction, default=True,
                         help="full-size SWA cache (llama_context_default_params: on; --no-swa-full: "
                              "window-sized, pad(n_swa + n_ubatch, 256) cells)")
-    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH,
-                        help="n_batch = n_ubatch, as generate sets them (default 512)")
+    parser.add_argument("--batch", type=int, default=ContextParams.n_batch,
+                        help=f"n_batch = n_ubatch, as generate sets them (default {ContextParams.n_batch})")
     parser.add_argument("--no-flash-attn", dest="flash_attn", action="store_false",
                         help="flash attention off (then no layer splits)")
     parser.add_argument("--headinfer-attn", dest="headinfer_attn", choices=("joined", "chunked"), default="joined",
@@ -80,7 +78,7 @@ def generate_command(args: argparse.Namespace) -> str:
     than the one planned: e.g. one attention per layer where the plan fits only in chunks."""
     parts = ["python -m pyllama_headinfer generate", f"--model {shlex.quote(str(args.model))}", f"--ctx {args.ctx}",
              f"--ngl {args.ngl}"]
-    if args.batch != DEFAULT_BATCH:
+    if args.batch != ContextParams.n_batch:  # generate's default
         parts.append(f"--batch {args.batch}")
     if not args.flash_attn:
         parts.append("--no-flash-attn")
