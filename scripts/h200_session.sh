@@ -345,15 +345,17 @@ lse)
 lse128)
     # issue 30 at 128K: test-backend-ops for the log-sum-exp attention, then llama-batched-bench (one fill of the
     # context, then decode at its depth: fill and decode speed from one context) in chunked mode, f 0.25 first
-    # (HI_TBO=0: no test-backend-ops; HI_BB_CFGS: the attention:fraction runs, HI_BB_DEPTH: their context,
+    # (HI_TBO=0: no test-backend-ops; HI_BB_CFGS: the attention[/chunk cells]:fraction runs, HI_BB_DEPTH: their context,
     # HI_BB_KV: their KV type)
     if [ "${HI_TBO:-1}" = 1 ]; then
         flash_attn_test_backend_ops
     fi
     bench_model >> "$out/lse.err" 2>&1
     tl ninja -C "$bdir" llama-batched-bench >> "$out/lse.err" 2>&1
-    for cfg in ${HI_BB_CFGS:-chunked:0.25 joined:0.25 chunked:1}; do
-        bb "${HI_BB_DEPTH:-131072}" --headinfer-attn "${cfg%:*}" -hgf "${cfg#*:}"
+    for cfg in ${HI_BB_CFGS:-chunked:0.25 joined:0.25 chunked:1}; do  # attention[/chunk cells]:fraction
+        attn=${cfg%:*}
+        bb "${HI_BB_DEPTH:-131072}" --headinfer-attn "${attn%/*}" -hgf "${cfg#*:}" \
+            $([ "$attn" = "${attn%/*}" ] || echo --headinfer-attn-chunk "${attn#*/}")
     done
     tar czf "$out/raw-$(date +%s).tgz" -C "$out" lse.err bb.err 2>/dev/null
     rm -f "$out/lse.err" "$out/bb.err"
