@@ -458,6 +458,25 @@ def test_layer_split_is_bit_exact_in_chunks(rpc_build):
     assert run.returncode == 0 and run.stdout.rstrip().endswith("all checks passed"), run.stdout[-3000:] + run.stderr[-2000:]
 
 
+def test_quantized_weights_stream_bit_exact(rpc_build, gguf_models, tmp_path):
+    """Q4_K/Q6_K weights (llama.cpp's quantizer) on two RPC devices with the host heads streamed and prefetched, joined
+    and in chunks: the synthetic models' F16 weights never reach the quantized matrix kernels, so the streamed path
+    runs here beside them once (greedy, state, K-shift, two KV streams; frac 1.0's bits)."""
+    import gguf
+
+    from pyllama_headinfer.llama import quantize_model
+
+    models = tmp_path / "models"
+    models.mkdir()
+    path = quantize_model(gguf_models["llama-gqa"], models / "llama-gqa-q4_k_m.gguf", "q4_k_m", n_threads=2)
+    assert {"Q4_K", "Q6_K"} <= {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    for attn, extra in (("joined", ()), ("chunked", ("--attn-chunk", "256"))):
+        run = gpu_check(rpc_build, "--models", str(models), "--types", "f16,q8_0", "--fracs", "0.5", *extra, attn=attn)
+        out = run.stdout
+        assert run.returncode == 0 and out.rstrip().endswith("all checks passed"), attn + out[-3000:] + run.stderr[-2000:]
+        assert sum(x.startswith("ok   llama-gqa-q4_k_m") for x in out.splitlines()) == 2 * 4, out[-3000:]
+
+
 def test_layer_split_is_bit_exact_attending_per_part(rpc_build):
     """headinfer_attn="parts" (patch 0020): the resident heads on the device where they live, the streamed host
     heads where they were staged, one attention each; the CPU backend of the RPC devices gives the same bits."""
