@@ -2,6 +2,7 @@
 """How long one decode step holds the host under the HeadInfer split.
 
     python scripts/decode_host_time.py --model M.gguf [--depth 32768] [--fracs 1,0.5,0.25] [--stream gpu,off] [--steps 32]
+                                       [--attn chunked [--attn-chunk N]]
 
 For each fraction and ``headinfer_stream`` mode a context is filled to
 ``--depth`` tokens, two steps are decoded to warm up, then ``--steps``
@@ -25,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyllama_headinfer.llama import Context, Model  # noqa: E402
-from pyllama_headinfer.params import HEADINFER_STREAM_TYPES  # noqa: E402
+from pyllama_headinfer.params import HEADINFER_ATTN_TYPES, HEADINFER_STREAM_TYPES  # noqa: E402
 
 
 def time_steps(ctx: Context, n_steps: int) -> tuple[float, float]:
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--ngl", type=int, default=99)
     parser.add_argument("--type", default="f16", help="KV cache type")
+    parser.add_argument("--attn", choices=tuple(HEADINFER_ATTN_TYPES), default="joined", help="headinfer_attn")
+    parser.add_argument("--attn-chunk", type=int, default=0, help="headinfer_attn_chunk (0: the library's default)")
     args = parser.parse_args(argv)
 
     fracs = [float(f) for f in args.fracs.split(",")]
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         if stream not in HEADINFER_STREAM_TYPES:
             parser.error(f"--stream: {stream!r} is not one of {', '.join(HEADINFER_STREAM_TYPES)}")
 
-    print(f"depth {args.depth}, {args.steps} steps, KV {args.type}; medians in ms")
+    print(f"depth {args.depth}, {args.steps} steps, KV {args.type}, attention {args.attn}"
+          f"{f' in chunks of {args.attn_chunk}' if args.attn_chunk else ''}; medians in ms")
     print("| frac | stream | llama_decode returns | device done | host share |")
     print("|---|---|---|---|---|")
     with Model(args.model, n_gpu_layers=args.ngl) as model:
@@ -67,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             for stream in (streams if frac < 1 else streams[:1]):
                 with Context(model, n_ctx=args.depth + args.steps + 256, n_batch=2048, n_ubatch=2048,
                              flash_attn=True, type_k=args.type, type_v=args.type,
-                             headinfer_gpu_heads_frac=frac, headinfer_stream=stream) as ctx:
+                             headinfer_gpu_heads_frac=frac, headinfer_stream=stream, headinfer_attn=args.attn,
+                             headinfer_attn_chunk=args.attn_chunk) as ctx:
                     filler = [1 + i % (model.n_vocab - 1) for i in range(args.depth)]
                     ctx.decode(filler, logits="none")
                     time_steps(ctx, 2)
