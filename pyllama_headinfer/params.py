@@ -119,10 +119,11 @@ HEADINFER_ATTN_TYPES = {
     "parts": "LLAMA_HEADINFER_ATTN_PARTS",    # one attention per half, no join: the same values, another float order on CUDA
     "chunked": "LLAMA_HEADINFER_ATTN_CHUNKED",  # every layer in chunks of KV cells merged exactly: the same for every frac
 }
-# KV cells per chunk with headinfer_attn = "chunked" (llama.h's LLAMA_HEADINFER_ATTN_CHUNK_DEFAULT when 0):
-# chunk boundaries fall on the KV cache's padding of 256 cells
+# KV cells per chunk with headinfer_attn = "chunked": chunk boundaries fall on the KV cache's padding of 256 cells;
+# 0 = the model's default, this many bytes of its largest layer's K and V rows in F16 (llama.h's
+# LLAMA_HEADINFER_ATTN_CHUNK_DEFAULT_BYTES; llama_model_headinfer_attn_chunk, vram.memory.default_attn_chunk)
 HEADINFER_ATTN_CHUNK_ALIGN = 256
-HEADINFER_ATTN_CHUNK_DEFAULT = 8192
+HEADINFER_ATTN_CHUNK_DEFAULT_BYTES = 32 * 2**20
 
 
 def check_choice(name: str, value, choices) -> str:
@@ -167,7 +168,8 @@ class ContextParams:
     heads reach the device, ``headinfer_attn`` (:data:`HEADINFER_ATTN_TYPES`)
     how a split layer's attention reads its two halves; with ``"chunked"``
     every layer attends in chunks of ``headinfer_attn_chunk`` KV cells (a
-    multiple of 256; 0 = llama.cpp's default, 8192), merged exactly by their
+    multiple of 256; 0 = the model's default, 32 MiB of a layer's K and V in F16:
+    8192 cells for 8 KV heads of 128), merged exactly by their
     log-sum-exps (needs flash attention with that result: the CPU and CUDA;
     elsewhere one attention per layer, with a warning: docs/ARENA.md).
     """

@@ -144,6 +144,33 @@ def test_bad_chunk_parameters_are_value_errors(kwargs, message):
         ContextParams(**kwargs)
 
 
+def test_the_default_chunk_is_the_models(llama, gguf_models, tmp_path):
+    """headinfer_attn_chunk 0 (patch 0040): 32 MiB of the largest layer's K and V rows in F16, a multiple of 256
+    cells; the same number from llama.cpp (llama_model_headinfer_attn_chunk, which a context in the mode logs and
+    uses) and from the planner's model of it (vram.memory.default_attn_chunk), for three head shapes."""
+    from dataclasses import replace
+
+    import testing_models
+    from pyllama_headinfer.runtime.log import capture_log
+    from pyllama_headinfer.vram.memory import default_attn_chunk
+    from pyllama_headinfer.vram.model import read_model_info
+
+    gqa = testing_models.SPECS["llama-gqa"]
+    paths = {
+        32768: gguf_models["llama-gqa"],  # 4 KV heads of 64: 1 KiB a cell
+        131072: testing_models.write_model(testing_models.EXTRA_SPECS["llama-mqa"], tmp_path / "mqa.gguf"),  # 1 of 64
+        8192: testing_models.write_model(replace(gqa, name="heads-8x128", n_layer=1, n_embd=1024, n_head=8, n_head_kv=8,
+                                                 head_dim=128), tmp_path / "8x128.gguf"),  # the 8B shape's 4 KiB
+    }
+    for expected, path in paths.items():
+        assert default_attn_chunk(read_model_info(path)) == expected, path
+        with llama.Model(str(path)) as model:
+            assert model.headinfer_attn_chunk == expected, path
+            with capture_log() as log, llama.Context(model, n_ctx=512, flash_attn=True, headinfer_attn="chunked"):
+                pass
+        assert any(f"attends in chunks of {expected} KV cells" in text for _, text in log), path
+
+
 def test_the_mode_is_a_cli_flag(built, gguf_models):
     run = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "-v", "generate", "--model",
                           str(gguf_models["llama-gqa"]), "--prompt", "Once upon a time", "-n", "4", "--temp", "0",

@@ -163,13 +163,13 @@ def test_only_a_build_of_the_binding_s_pin_is_packed():
 
 def test_python_series_is_separate_and_applied(lcp):
     names = read_series_names(paths.python_patches_dir())
-    assert len(names) == 9 and all(n.endswith(".patch") for n in names)
+    assert len(names) == 10 and all(n.endswith(".patch") for n in names)
     assert not set(names) & set(read_series_names())  # the C series does not list them
     tree = build_dir() / "llama-cpp-python" / "src"
     result = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "patch", "status", "--series",
                              "llama-cpp-python", "--llama-src", str(tree)], cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
-    assert result.returncode == 0 and "APPLIED: all 9 patches" in result.stdout, result.stdout
+    assert result.returncode == 0 and "APPLIED: all 10 patches" in result.stdout, result.stdout
 
 
 # --------------------------------------------------------------------------
@@ -177,6 +177,7 @@ def test_python_series_is_separate_and_applied(lcp):
 
 SAME_CODE = r"""
 import hashlib, json, sys
+import llama_cpp
 from llama_cpp import Llama
 model = sys.argv[1]
 kw = dict(n_ctx=256, n_batch=64, seed=7, flash_attn=True, verbose=False, logits_all=True)
@@ -257,6 +258,7 @@ def test_real_models_same_at_any_fraction(lcp, gemma, tmp_path, built):
 
 CHUNKED_CODE = r"""
 import hashlib, json, sys
+import llama_cpp
 from llama_cpp import Llama
 model = sys.argv[1]
 kw = dict(n_ctx=1024, n_batch=256, seed=7, flash_attn=True, verbose=False, logits_all=True)
@@ -268,6 +270,7 @@ for attn, frac, stream in (("chunked", 1.0, "gpu"), ("chunked", 0.5, "off"), ("j
     r = llm.create_completion(prompt, max_tokens=8, temperature=0.0)
     scores = llm.scores[: llm.n_tokens].copy()
     state = llm.__getstate__()
+    out["default chunk"] = llama_cpp.llama_model_headinfer_attn_chunk(llm.model)
     out[f"{attn} {frac}"] = {"text": r["choices"][0]["text"], "n_tokens": llm.n_tokens,
                              "logits": hashlib.sha256(scores.tobytes()).hexdigest(),
                              "getstate": [state["headinfer_attn"], state["headinfer_attn_chunk"],
@@ -298,6 +301,7 @@ def test_attention_in_chunks_is_the_same_at_any_fraction(lcp, gguf_models):
     assert (split["text"], split["logits"]) == (whole["text"], whole["logits"])
     assert joined["logits"] != whole["logits"]  # the chunks are really there
     assert whole["getstate"] == ["chunked", 256, "gpu"] and joined["getstate"] == ["joined", 0, "gpu"]
+    assert out["default chunk"] == 32768  # the model's (patch 0010): 32 MiB of 4 KV heads of 64 in F16
     assert split["getstate"] == ["chunked", 256, "off"]
     assert out["bad"]["mode"].startswith("ValueError: headinfer_attn must be one of"), out["bad"]
     assert "multiple of 256" in out["bad"]["chunk"], out["bad"]

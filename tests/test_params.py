@@ -45,11 +45,18 @@ def test_replace_checks_again_and_normalises():
     assert p.replace(headinfer_gpu_heads_frac=None, headinfer_vram_budget="1GiB").frac == 1.0
 
 
-def test_the_planner_resolves_none_to_llama_cpp_defaults():
-    s = Settings.from_params(ContextParams(n_ctx=4096, flash_attn=None), n_gpu_layers=7)
+def test_the_planner_resolves_none_to_llama_cpp_defaults(gguf_models):
+    from pyllama_headinfer.vram.model import read_model_info
+
+    info = read_model_info(gguf_models["llama-gqa"])
+    s = Settings.from_params(ContextParams(n_ctx=4096, flash_attn=None), info, n_gpu_layers=7)
     assert (s.n_ctx, s.n_gpu_layers, s.kv_unified, s.swa_full, s.flash_attn) == (4096, 7, False, True, True)
-    s = Settings.from_params(ContextParams(kv_unified=True, swa_full=False, flash_attn=False))
+    assert s.attn_chunk == 0  # one attention per layer
+    s = Settings.from_params(ContextParams(kv_unified=True, swa_full=False, flash_attn=False), info)
     assert (s.kv_unified, s.swa_full, s.flash_attn) == (True, False, False)
+    # chunked with headinfer_attn_chunk 0: the model's chunk (4 KV heads of 64: 1 KiB a cell, 32 MiB of them)
+    assert Settings.from_params(ContextParams(headinfer_attn="chunked"), info).attn_chunk == 32768
+    assert Settings.from_params(ContextParams(headinfer_attn="chunked", headinfer_attn_chunk=512), info).attn_chunk == 512
 
 
 def test_one_kv_type_table_for_api_and_planner():

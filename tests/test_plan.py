@@ -594,11 +594,12 @@ def test_chunked_arena_is_fixed_by_the_chunk(all_models):
     # one attention per layer: the staging slots and the joined K/V of a split layer grow with the context; in
     # chunks of cells they are one chunk's, whatever the context
     m = all_models["llama-gqa"]
-    joined = [plan_kv(m, n).row(2).arena for n in (16384, 65536)]
-    chunked = [plan_kv(m, n, headinfer_attn="chunked").row(2).arena for n in (16384, 65536)]
+    joined = [plan_kv(m, n).row(2).arena for n in (32768, 131072)]
+    chunked = [plan_kv(m, n, headinfer_attn="chunked").row(2).arena for n in (65536, 262144)]
     assert joined[1] == 4 * joined[0] > 0
-    assert chunked[0] == chunked[1] == joined[0] // 2  # chunks of 8192 cells (llama.h's default) of 16384
-    assert plan_kv(m, 65536, headinfer_attn="chunked", headinfer_attn_chunk=4096).row(2).arena == chunked[0] // 2
+    # chunks of 32768 cells (the model's default: 32 MiB of 4 KV heads of 64 in F16), as joined at 32768
+    assert chunked[0] == chunked[1] == joined[0]
+    assert plan_kv(m, 65536, headinfer_attn="chunked", headinfer_attn_chunk=4096).row(2).arena == chunked[0] // 8
     assert plan_kv(m, 65536, headinfer_attn="chunked").row(4).arena == 0  # frac 1.0: nothing streams
     # the compute estimate carries the arena: smaller than one attention per layer's at long context
     assert plan_kv(m, 65536, headinfer_attn="chunked").row(2).compute < plan_kv(m, 65536).row(2).compute
@@ -608,7 +609,7 @@ def test_cli_chunked_json_and_bad_chunk(gguf_models, capsys):
     m = gguf_models["llama-gqa"]
     assert main("-m", m, "-c", 65536, "--headinfer-attn", "chunked", "--json") == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["settings"]["attn_chunk"] == 8192
+    assert d["settings"]["attn_chunk"] == 32768  # the model's default
     assert [r["arena"] for r in d["rows"]] == \
         [plan_kv(m, 65536, headinfer_attn="chunked").row(g).arena for g in range(1, 5)]
     assert main("-m", m, "-c", 65536, "--headinfer-attn", "chunked", "--headinfer-attn-chunk", 100) == 2

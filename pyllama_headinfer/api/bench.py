@@ -44,7 +44,7 @@ class BenchPoint:
     frac: Optional[float] = None
     vram_budget: Optional[str] = None
     headinfer_attn: str = "joined"  # how split layers attend (ContextParams.headinfer_attn)
-    headinfer_attn_chunk: int = 0  # KV cells per chunk with headinfer_attn "chunked" (0: llama.cpp's default)
+    headinfer_attn_chunk: int = 0  # KV cells per chunk with headinfer_attn "chunked" (0: the model's default)
     headinfer_stream: str = "gpu"  # how the host heads reach the device (ContextParams.headinfer_stream)
 
     @property

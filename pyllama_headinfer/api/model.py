@@ -144,6 +144,13 @@ class Model(Handle):
         return self._int("llama_model_n_swa")
 
     @property
+    def headinfer_attn_chunk(self) -> int:
+        """KV cells per chunk that ``headinfer_attn="chunked"`` uses when
+        ``headinfer_attn_chunk`` is 0: 32 MiB of the largest layer's K and V
+        rows in F16, a multiple of 256 (llama_model_headinfer_attn_chunk)."""
+        return self._int("llama_model_headinfer_attn_chunk")
+
+    @property
     def size(self) -> int:
         return self._int("llama_model_size")
 

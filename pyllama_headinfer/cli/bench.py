@@ -2,7 +2,7 @@
 
     python -m pyllama_headinfer bench --model M.gguf [--fracs 1,0.75,0.5,0.25 | --vram-budget 24GiB] \\
         [--depths 4096,32768] [--types f16,q8_0] [-n 32] [--repeat 1] [--ngl 99] [--json out.json] [--plot out.png] \\
-        [--headinfer-attn chunked [--headinfer-attn-chunk 8192]] [--headinfer-stream gpu|off|any]
+        [--headinfer-attn chunked [--headinfer-attn-chunk CELLS]] [--headinfer-stream gpu|off|any]
 
 For each point: prompt (prefill) and decode tokens/s, and the KV MiB in the
 layers' own buffers (the GPU's when offloaded) and in the HeadInfer host halves

@@ -9,6 +9,11 @@ import argparse
 from pyllama_headinfer.params import HEADINFER_ATTN_TYPES, HEADINFER_STREAM_TYPES
 
 
+# --headinfer-attn-chunk, here and in plan
+ATTN_CHUNK_HELP = ("KV cells per chunk with --headinfer-attn chunked, a multiple of 256 (default 0: the model's, "
+                   "32 MiB of its largest layer's K and V in F16, e.g. 8192 cells for 8 KV heads of 128)")
+
+
 def add_headinfer_mode_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--headinfer-attn", choices=tuple(HEADINFER_ATTN_TYPES), default="joined",
                         help="HeadInfer: how a split layer's attention reads its two halves: joined (bit-identical "
@@ -16,8 +21,7 @@ def add_headinfer_mode_arguments(parser: argparse.ArgumentParser) -> None:
                              "(every layer in chunks of KV cells merged exactly, the same at every fraction; "
                              "another float order than joined)")
     parser.add_argument("--headinfer-attn-chunk", type=int, default=0, metavar="CELLS",
-                        help="HeadInfer: KV cells per chunk with --headinfer-attn chunked, a multiple of 256 "
-                             "(default 0: llama.cpp's, 8192)")
+                        help="HeadInfer: " + ATTN_CHUNK_HELP)
     parser.add_argument("--headinfer-stream", choices=tuple(HEADINFER_STREAM_TYPES), default="gpu",
                         help="HeadInfer: copy the host heads one layer ahead on CUDA/HIP GPUs (gpu, default), when "
                              "their layer starts (off), or ahead on any async device (any: RPC, for tests)")

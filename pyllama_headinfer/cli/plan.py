@@ -19,6 +19,7 @@ import json
 import shlex
 import sys
 
+from pyllama_headinfer.cli.options import ATTN_CHUNK_HELP
 from pyllama_headinfer.errors import EXIT_FAILURE, EXIT_OK
 from pyllama_headinfer.params import KV_CACHE_TYPES, ContextParams, parse_size
 from pyllama_headinfer.vram.model import read_model_info
@@ -51,8 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan one attention per layer (joined, the default: the device holds a split layer's "
                              "K/V whole, growing with the context) or attention in chunks (chunked: a fixed arena)")
     parser.add_argument("--headinfer-attn-chunk", dest="headinfer_attn_chunk", type=int, default=0,
-                        help="KV cells per chunk with --headinfer-attn chunked, a multiple of 256 (default 0: "
-                             "llama.cpp's 8192)")
+                        help=ATTN_CHUNK_HELP)
     parser.add_argument("--force-split", action=argparse.BooleanOptionalAction, default=None,
                         help="plan as LLAMA_HEADINFER_FORCE_SPLIT=1 runs: layers in host memory split too "
                              "(default: from that variable)")

@@ -24,7 +24,8 @@ from typing import Sequence
 import numpy as np
 
 from pyllama_headinfer.errors import PlanError, UnsupportedModelError
-from pyllama_headinfer.params import HEADINFER_ATTN_CHUNK_DEFAULT, KV_CACHE_TYPES, ContextParams
+from pyllama_headinfer.params import (HEADINFER_ATTN_CHUNK_ALIGN, HEADINFER_ATTN_CHUNK_DEFAULT_BYTES, KV_CACHE_TYPES,
+                                      ContextParams)
 from pyllama_headinfer.vram.model import ModelInfo, TensorInfo
 
 # The KV cache types the Python API accepts (api/context.py KV_CACHE_TYPES).
@@ -110,18 +111,31 @@ class Settings:
     attn_chunk: int = 0  # KV cells per chunk with headinfer_attn = "chunked"; 0: one attention per layer
 
     @classmethod
-    def from_params(cls, params: ContextParams, *, n_gpu_layers: int = -1, force_split: bool = False,
+    def from_params(cls, params: ContextParams, info: ModelInfo, *, n_gpu_layers: int = -1, force_split: bool = False,
                     op_offload: bool = True) -> "Settings":
-        """The settings a context with ``params`` gets: ``None`` resolved to
-        llama.cpp's defaults (kv_unified off, swa_full on; flash attention
-        "auto" planned as on, the case where layers can split)."""
+        """The settings a context with ``params`` gets on the model ``info``:
+        ``None`` resolved to llama.cpp's defaults (kv_unified off, swa_full
+        on; flash attention "auto" planned as on, the case where layers can
+        split; the model's chunk, :func:`default_attn_chunk`)."""
         return cls(n_ctx=params.n_ctx, n_gpu_layers=n_gpu_layers, type_k=params.type_k, type_v=params.type_v,
                    n_seq_max=params.n_seq_max, kv_unified=bool(params.kv_unified),
                    swa_full=True if params.swa_full is None else params.swa_full, n_batch=params.n_batch,
                    n_ubatch=params.n_ubatch, flash_attn=params.flash_attn is not False,
                    offload_kqv=params.offload_kqv, op_offload=op_offload, force_split=force_split,
-                   attn_chunk=(params.headinfer_attn_chunk or HEADINFER_ATTN_CHUNK_DEFAULT)
+                   attn_chunk=(params.headinfer_attn_chunk or default_attn_chunk(info))
                    if params.headinfer_attn == "chunked" else 0)
+
+
+def default_attn_chunk(info: ModelInfo) -> int:
+    """The KV cells per chunk that ``headinfer_attn_chunk = 0`` gives (llama.cpp's
+    llama_model_headinfer_attn_chunk, patch 0040): HEADINFER_ATTN_CHUNK_DEFAULT_BYTES
+    of the largest layer's K and V rows in F16, in whole multiples of 256 cells,
+    at least 256 (8192 cells for 8 KV heads of 128). The model's alone: every
+    fraction and cache type attends in the same chunks."""
+    n_layer = info.n_layer - info.n_layer_nextn
+    row = max((2 * info.n_head_kv[il] * (info.head_k_of(il) + info.head_v_of(il)) for il in range(n_layer)), default=0)
+    cells = HEADINFER_ATTN_CHUNK_DEFAULT_BYTES // row if row else 0
+    return max(HEADINFER_ATTN_CHUNK_ALIGN, cells // HEADINFER_ATTN_CHUNK_ALIGN * HEADINFER_ATTN_CHUNK_ALIGN)
 
 
 @dataclass(frozen=True)

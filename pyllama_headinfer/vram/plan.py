@@ -69,11 +69,12 @@ from typing import Sequence
 
 import numpy as np
 
-from pyllama_headinfer.params import HEADINFER_ATTN_CHUNK_DEFAULT, ContextParams, format_bytes, parse_size
+from pyllama_headinfer.params import ContextParams, format_bytes, parse_size
 from pyllama_headinfer.vram.gguf import GGUFFile
 from pyllama_headinfer.vram.memory import (FORCE_SPLIT_ENV, PAD_CTX, Geometry, KVLayer, Settings, Weights,
-                                           arena_estimate, block_of, compute_estimate, cuda_alloc_size, geometry,
-                                           ggml_type, gpu_layer_start, kv_layers, n_resident, row_size, weights)
+                                           arena_estimate, block_of, compute_estimate, cuda_alloc_size, default_attn_chunk,
+                                           geometry, ggml_type, gpu_layer_start, kv_layers, n_resident, row_size,
+                                           weights)
 from pyllama_headinfer.errors import BudgetTooSmallError, NothingFitsError, PlanError, UnsupportedModelError
 from pyllama_headinfer.vram.model import ModelInfo, read_model_info
 
@@ -327,7 +328,7 @@ def _suggest(plan: Plan) -> list[str]:
         return f"g = {r.g} of {p.n_head_kv}, frac {r.frac:.6g}, device total {format_bytes(r.device_total)}"
 
     if not s.attn_chunk and s.flash_attn:
-        p = _compute(info, replace(s, attn_chunk=HEADINFER_ATTN_CHUNK_DEFAULT), budget, margin)
+        p = _compute(info, replace(s, attn_chunk=default_attn_chunk(info)), budget, margin)
         if p.chosen is not None:
             out.append(f"attention in chunks: headinfer_attn = 'chunked' ({best(p)}; another float order than "
                        "one attention per layer, the same at every fraction)")
@@ -389,7 +390,7 @@ def plan_kv(model: str | os.PathLike | GGUFFile | ModelInfo, params: ContextPara
         raise TypeError(f"params must be a ContextParams, got {type(params).__name__}")
     if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, (int, np.integer)):
         raise ValueError(f"n_gpu_layers must be an int, got {n_gpu_layers!r}")
-    s = Settings.from_params(params, n_gpu_layers=int(n_gpu_layers), force_split=bool(force_split),
+    s = Settings.from_params(params, info, n_gpu_layers=int(n_gpu_layers), force_split=bool(force_split),
                              op_offload=bool(op_offload))
     budget = params.vram_budget_bytes
     margin = 0 if not margin else parse_size(margin)

@@ -266,6 +266,7 @@ int32_t llama_model_n_layer    (const struct llama_model * model);
 int32_t llama_model_n_head     (const struct llama_model * model);
 int32_t llama_model_n_head_kv  (const struct llama_model * model);
 int32_t llama_model_n_swa      (const struct llama_model * model);
+uint32_t llama_model_headinfer_attn_chunk(const struct llama_model * model); /* HeadInfer (patch series) */
 uint64_t llama_model_size      (const struct llama_model * model);
 uint64_t llama_model_n_params  (const struct llama_model * model);
 int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
