@@ -28,8 +28,8 @@
 # cffi, pycparser and gguf for the machine's python3 (the device tool's README says how).
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback|sched|hygiene|table|lse|lse128|lsebuf}
-part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback|sched|hygiene|table|lse|lse128|lsebuf}
+out=${1:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback|quick29|sched|hygiene|table|lse|lse128|lsebuf}
+part=${2:?usage: $0 OUTDIR build|checks|bench|stream|serve|streams|slots|state|pin|params|writeback|quick29|sched|hygiene|table|lse|lse128|lsebuf}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -368,6 +368,15 @@ lsebuf)
           tl python3 scripts/graph_splits.py --model "$model" --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 \
               --fracs 1,0.5,0.25; } >> "$out/splits.txt" 2>> "$out/lsebuf.err"
     done
+    ;;
+quick29)
+    # issue 29's last target alone (32K f 0.75 against frac 1.0, -r 3: the prefetch of both slots), for a session
+    # with little device time; `sched` is the whole check
+    bench_model > "$out/quick29.err" 2>&1
+    mkdir -p "$out/json"
+    lb dec_32k_f075_r3 -ctk f16 -ctv f16 -hgf 1,0.75 -d 32768 -p 0 -n 32 -r 3
+    tar czf "$out/raw-quick29.tgz" -C "$out" json bench.err quick29.err 2>/dev/null
+    rm -rf "$out/json" "$out/bench.err" "$out/quick29.err"
     ;;
 sched)
     # the series' scheduler test (ggml only, compiled against the build's libraries as tests/test_multi_device.py
