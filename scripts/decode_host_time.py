@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pyllama_headinfer.llama import Context, Model  # noqa: E402
-from pyllama_headinfer.params import HEADINFER_ATTN_TYPES, HEADINFER_STREAM_TYPES  # noqa: E402
+from pyllama_headinfer.params import HEADINFER_STREAM_TYPES  # noqa: E402
 
 
 def time_steps(ctx: Context, n_steps: int) -> tuple[float, float]:
@@ -44,6 +45,8 @@ def time_steps(ctx: Context, n_steps: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gpu_check import add_attn_arguments  # the exactness check's --attn and --attn-chunk
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", "-m", required=True)
     parser.add_argument("--depth", type=int, default=32768)
@@ -52,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--ngl", type=int, default=99)
     parser.add_argument("--type", default="f16", help="KV cache type")
-    parser.add_argument("--attn", choices=tuple(HEADINFER_ATTN_TYPES), default="joined", help="headinfer_attn")
-    parser.add_argument("--attn-chunk", type=int, default=0, help="headinfer_attn_chunk (0: the library's default)")
+    add_attn_arguments(parser)
     args = parser.parse_args(argv)
 
     fracs = [float(f) for f in args.fracs.split(",")]

@@ -168,14 +168,21 @@ def pipeline_problems(report: dict, base: dict) -> list[str]:
 HEADINFER = {"headinfer_stream": "gpu", "headinfer_attn": "joined"}
 
 
-def add_headinfer_arguments(ap: argparse.ArgumentParser) -> None:
-    """--attn and --stream (ContextParams.headinfer_attn / .headinfer_stream); also used by graph_splits.py."""
+def add_attn_arguments(ap: argparse.ArgumentParser) -> None:
+    """--attn and --attn-chunk (ContextParams.headinfer_attn / .headinfer_attn_chunk); also used by
+    decode_host_time.py, whose --stream takes several modes."""
     ap.add_argument("--attn", choices=tuple(HEADINFER_ATTN_TYPES), default="joined",
                     help="how split layers attend to their two halves (headinfer_attn; default joined)")
-    ap.add_argument("--stream", choices=tuple(HEADINFER_STREAM_TYPES), default="gpu",
-                    help="how the host heads reach the device (headinfer_stream; default gpu; any: RPC devices too)")
     ap.add_argument("--attn-chunk", type=int, default=0,
                     help="KV cells per chunk with --attn chunked (headinfer_attn_chunk; default 0: llama.cpp's)")
+
+
+def add_headinfer_arguments(ap: argparse.ArgumentParser) -> None:
+    """--attn, --attn-chunk and --stream (ContextParams.headinfer_attn / _attn_chunk / _stream); also used by
+    graph_splits.py."""
+    add_attn_arguments(ap)
+    ap.add_argument("--stream", choices=tuple(HEADINFER_STREAM_TYPES), default="gpu",
+                    help="how the host heads reach the device (headinfer_stream; default gpu; any: RPC devices too)")
 
 
 def headinfer_params(args: argparse.Namespace) -> dict:

@@ -8,7 +8,7 @@ checks every logits vector against frac 1.0 on the same two-device layout, and
 each device's KV bytes against its own unsplit share.
 
 This needs a build with -DGGML_RPC=ON, made once per session in the cache
-(``<cache>/test-builds/cpu-rpc``, ``cpu-rpc-<pin>`` for another pin; never in the
+(``<cache>/test-builds/cpu-rpc``, ``cpu-<pin>-rpc`` for another pin; never in the
 checkout; a second build beside the main one, ~2 min on 2 cores the first time,
 incremental afterwards; the
 two cannot share a process, so the check runs in subprocesses). On two real
@@ -34,11 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def rpc_build(built) -> Path:
     """The patched llama.cpp with the RPC backend, in the cache (built if missing or stale)."""
-    from pyllama_headinfer import pin
+    from pyllama_headinfer.build.plan import config_key
 
-    # one directory per pin, named as build names its own (cpu-rpc, cpu-rpc-b11549): switching pins rebuilds nothing
-    active = pin.active().build
-    directory = paths.cache_dir() / "test-builds" / ("cpu-rpc" if active == pin.DEFAULT_PIN else f"cpu-rpc-{active}")
+    # one directory per pin (cpu-rpc, cpu-b11549-rpc: build's own name for the pin's CPU build): switching pins
+    # rebuilds nothing
+    directory = paths.cache_dir() / "test-builds" / f"{config_key()}-rpc"
     run = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "build", "--build-dir", str(directory),
                           "-DGGML_RPC=ON"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, f"the RPC build failed:\n{run.stderr[-3000:]}"
