@@ -1,0 +1,24 @@
+#!/usr/bin/env python3
+"""Host-to-device copy rate from pinned memory on this machine's GPU (PyTorch), in copies of the sizes the split
+streams: one layer's host K or V at 32K cells and f 0.75 is 16 MiB. The ratios in docs/BENCHMARKS.md use 55.4 GB/s
+(FACTS); this says what the machine at hand gives, in the same call as the benchmark it qualifies.
+
+  python3 scripts/h2d_bandwidth.py     # on the GPU machine (its image has PyTorch)
+"""
+import torch, time
+n = 1 << 30
+h = torch.empty(n, dtype=torch.uint8).pin_memory()
+d = torch.empty(n, dtype=torch.uint8, device="cuda")
+s = torch.cuda.Stream()
+for chunk in (1 << 30, 16 << 20, 4 << 20):
+    best = 0
+    for rep in range(5):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(s):
+            e0.record(s)
+            for o in range(0, n, chunk):
+                d[o:o + chunk].copy_(h[o:o + chunk], non_blocking=True)
+            e1.record(s)
+        e1.synchronize()
+        best = max(best, n / (e0.elapsed_time(e1) / 1e3) / 1e9)
+    print(f"H2D pinned, {n >> 20} MiB in copies of {chunk >> 20} MiB: {best:.2f} GB/s (best of 5)")
