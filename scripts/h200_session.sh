@@ -45,6 +45,25 @@ bdir=$root/build/cuda-sm90$([ "$pin" = b11312 ] || echo "-$pin")
 bench=$bdir/bin/llama-bench
 model=/tmp/b8.gguf
 
+# HI_PREBUILT (optional): an archive of this series' CUDA build made on a machine without a GPU
+# (scripts/prebuilt_cuda.py; docs/GPU.md "A build carried to the GPU"): part `build` unpacks it instead of compiling.
+# Such a build names cuBLAS by the path it had where it was made: find this machine's.
+use_cuda_libs() {
+    local d
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+             $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cu13", "lib") for p in nvidia.__path__))' 2>/dev/null); do
+        if [ -e "$d/libcublas.so.13" ]; then
+            export LD_LIBRARY_PATH=$bdir/bin:$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+            return 0
+        fi
+    done
+    echo "no libcublas.so.13 on this machine" >&2
+    return 1
+}
+if grep -q '"relocated_from"' "$bdir/manifest.json" 2>/dev/null; then
+    use_cuda_libs
+fi
+
 # HI_DEADLINE (epoch seconds, optional): every step of a part stops by then (the device's per-call limit)
 tl() {
     local left=$(( ${HI_DEADLINE:-$(( $(date +%s) + 100000 ))} - $(date +%s) ))
@@ -99,7 +118,7 @@ flash_attn_test_backend_ops() {  # the flash attention ops (the log-sum-exp ones
 scheduler_test() {  # the series' scheduler test (ggml only) on CUDA0, compiled against the build's libraries as
                     # tests/test_multi_device.py does, into test_backend_sched.txt
     local src
-    src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$bdir/CMakeCache.txt")
+    src=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["source_tree"])' "$bdir/manifest.json")
     { c++ -std=c++17 -O1 "$src/tests/test-backend-sched.cpp" -o /tmp/test-backend-sched -I"$src/ggml/include" \
           -L"$bdir/bin" -lggml -lggml-base -Wl,-rpath,"$bdir/bin" && tl /tmp/test-backend-sched -d CUDA0; } \
         > "$out/test_backend_sched.txt" 2>&1
@@ -108,11 +127,20 @@ scheduler_test() {  # the series' scheduler test (ggml only) on CUDA0, compiled 
 
 case $part in
 build)  # HI_BUILD_TESTS=0: the library and tools only (no test-backend-ops etc., ~40 s less)
+    if [ -n "${HI_PREBUILT:-}" ]; then  # unpacked in seconds; if it does not run here, compiled as below
+        if { time python3 scripts/prebuilt_cuda.py unpack "$HI_PREBUILT" "$bdir" && use_cuda_libs &&
+             "$bdir/bin/llama-bench" --list-devices; } > "$out/build.log" 2>&1; then
+            echo "build exit 0 (prebuilt: $HI_PREBUILT)" >> "$out/build.log"
+            exit 0
+        fi
+        echo "prebuilt $HI_PREBUILT did not run here: compiling" >> "$out/build.log"
+        rm -rf "$bdir"
+    fi
     if [ "${HI_BUILD_TESTS:-1}" = 0 ]; then
-        { time python3 -m pyllama_headinfer build --tools -j 16; } > "$out/build.log" 2>&1
+        { time python3 -m pyllama_headinfer build --tools -j 16; } >> "$out/build.log" 2>&1
         echo "build exit $?" >> "$out/build.log"
     else
-        { time python3 -m pyllama_headinfer build --tools -j 16 -DLLAMA_BUILD_TESTS=ON; } > "$out/build.log" 2>&1
+        { time python3 -m pyllama_headinfer build --tools -j 16 -DLLAMA_BUILD_TESTS=ON; } >> "$out/build.log" 2>&1
         echo "build exit $?" >> "$out/build.log"
         { time ninja -C "$bdir" test-backend-ops test-arg-parser test-llama-archs; } >> "$out/build.log" 2>&1
         echo "test-backend-ops build exit $?" >> "$out/build.log"
@@ -351,7 +379,7 @@ lse128)
         flash_attn_test_backend_ops
     fi
     bench_model >> "$out/lse.err" 2>&1
-    tl ninja -C "$bdir" llama-batched-bench >> "$out/lse.err" 2>&1
+    [ -x "$bdir/bin/llama-batched-bench" ] || tl ninja -C "$bdir" llama-batched-bench >> "$out/lse.err" 2>&1
     for cfg in ${HI_BB_CFGS:-chunked:0.25 joined:0.25 chunked:1}; do  # attention[/chunk cells]:fraction
         attn=${cfg%:*}
         bb "${HI_BB_DEPTH:-131072}" --headinfer-attn "${attn%/*}" -hgf "${cfg#*:}" \
