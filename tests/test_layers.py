@@ -9,7 +9,6 @@ by scripts/import_graph.py, which also prints it for people.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from testing_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,10 +37,7 @@ NEVER_AT_RUNTIME = ("build", "patches", "source")
 
 
 def _graph_module():
-    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("import_graph")
 
 
 @pytest.fixture(scope="module")

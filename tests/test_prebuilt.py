@@ -5,7 +5,6 @@ stands in for the CUDA one here; the GPU sessions carry CUDA builds made without
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,16 +14,14 @@ from pathlib import Path
 import pytest
 
 from pyllama_headinfer.runtime.manifest import find_manifest, read_manifest
+from testing_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def prebuilt():
-    spec = importlib.util.spec_from_file_location("prebuilt_cuda", ROOT / "scripts" / "prebuilt_cuda.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("prebuilt_cuda")
 
 
 def test_a_packed_build_runs_from_another_directory(built, gguf_models, prebuilt, tmp_path):

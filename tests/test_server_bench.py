@@ -10,24 +10,19 @@ and the draft tokens accepted.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from testing_models import FORCE_SPLIT
+from testing_scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("server_bench", ROOT / "scripts" / "server_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("server_bench")
 
 
 def run_bench(bench, argv, tmp_path, monkeypatch, capsys):
