@@ -7,7 +7,7 @@ compiles for sm_90 without a GPU, so the build can be made here and carried:
 
   # here (nvcc, cuBLAS's headers and libraries, a libcuda stub: docs/GPU.md "A build carried to the GPU")
   python -m pyllama_headinfer build --cuda --cuda-arch 90 --tools --no-bindings --build-dir /tmp/cubuild ...
-  ninja -C /tmp/cubuild llama-batched-bench test-backend-ops test-llama-archs
+  <the build tool's ninja> -C /tmp/cubuild llama-batched-bench test-backend-ops test-llama-archs  # not an older one
   python scripts/prebuilt_cuda.py pack /tmp/cubuild .gpu-prebuilt/cuda-sm90.tar.xz
 
   # there (scripts/h200_session.sh OUT build does this when HI_PREBUILT names the archive)
@@ -56,11 +56,9 @@ def needed_libraries(lib_dir: Path, roots: list[Path]) -> list[Path]:
             if name not in seen and (lib_dir / name).exists():
                 seen.add(name)
                 todo.append((lib_dir / name).resolve())
-    found = set()
-    for lib in lib_dir.glob("lib*.so*"):  # the names that resolve to a needed library: soname, links, file
-        if lib.name in seen or lib.resolve().name in {(lib_dir / n).resolve().name for n in seen}:
-            found.add(lib)
-    return sorted(found)
+    files = {(lib_dir / name).resolve().name for name in seen}
+    # every name that resolves to a needed library: its soname, its other links, the file
+    return sorted(lib for lib in lib_dir.glob("lib*.so*") if lib.name in seen or lib.resolve().name in files)
 
 
 def pack(build_dir: Path, archive: Path, *, tools: tuple[str, ...] = TOOLS, require_cuda: bool = True) -> None:
