@@ -129,7 +129,7 @@ case $part in
 build)  # HI_BUILD_TESTS=0: the library and tools only (no test-backend-ops etc., ~40 s less)
     if [ -n "${HI_PREBUILT:-}" ]; then  # unpacked in seconds; if it does not run here, compiled as below
         if { time python3 scripts/prebuilt_cuda.py unpack "$HI_PREBUILT" "$bdir" && use_cuda_libs &&
-             "$bdir/bin/llama-bench" --list-devices; } > "$out/build.log" 2>&1; then
+             "$bdir/bin/llama-bench" --list-devices | tee /dev/stderr | grep -q CUDA0; } > "$out/build.log" 2>&1; then
             echo "build exit 0 (prebuilt: $HI_PREBUILT)" >> "$out/build.log"
             exit 0
         fi
