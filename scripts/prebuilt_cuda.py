@@ -2,7 +2,7 @@
 """Carry a CUDA build compiled on a machine without a GPU to the machine with one.
 
 The device tool's GPU machine has no network, is released after 30 s idle and
-so builds the series afresh in most calls: about 4 of its 10 minutes. nvcc
+so builds the series afresh in most calls: about 6 of its 10 minutes. nvcc
 compiles for sm_90 without a GPU, so the build can be made here and carried:
 
   # here (nvcc, cuBLAS's headers and libraries, a libcuda stub: docs/GPU.md "A build carried to the GPU")
@@ -31,12 +31,13 @@ import re
 import subprocess
 import sys
 import tarfile
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pyllama_headinfer.build.extension import compile_extension, include_dirs_of  # noqa: E402
+from pyllama_headinfer.build.record import write_json  # noqa: E402
 from pyllama_headinfer.runtime.manifest import MANIFEST_NAME, check_current, read_manifest  # noqa: E402
 
 # the tools the GPU sessions run (those the build made; test-* only with -DLLAMA_BUILD_TESTS=ON)
@@ -97,7 +98,7 @@ def relocate(data: dict, build_dir: Path) -> dict:
     data["executables"] = {name: str(lib_dir / name) for name in (data.get("executables") or {})
                            if (lib_dir / name).exists()}
     data["source_tree"] = str(src)
-    data["include_dirs"] = [str(src / "include"), str(src / "ggml" / "include")]
+    data["include_dirs"] = [str(d) for d in include_dirs_of(src)]
     data["bindings"] = None
     return data
 
@@ -112,16 +113,9 @@ def unpack(archive: Path, build_dir: Path) -> None:
     write_json(path, data)
     manifest = read_manifest(build_dir)
     check_current(manifest)
-    from pyllama_headinfer.build.extension import compile_extension
     data["bindings"] = str(compile_extension(build_dir, manifest.source_tree, manifest.lib_dir))
     write_json(path, data)
     print(f"{build_dir}: {manifest.stamp[:20]}..., bindings {Path(data['bindings']).name}")
-
-
-def write_json(path: Path, data: dict) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        json.dump(data, f, indent=1)
-    os.replace(f.name, path)
 
 
 def main(argv: list[str] | None = None) -> int:
