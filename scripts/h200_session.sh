@@ -16,6 +16,7 @@
 #   scripts/h200_session.sh OUTDIR hygiene  # exactness (fusion off, streamed and not), test-backend-ops + CONCAT perf, test-backend-sched (~4 min)
 #   scripts/h200_session.sh OUTDIR lse      # chunked attention on CUDA: test-backend-ops, exactness, decode 32K/128K, fill (~5 min)
 #   HI_VARIANT_LIB=DIR scripts/h200_session.sh OUTDIR variant  # 32K f 0.75 against another libggml-base, in one run
+#   scripts/h200_session.sh OUTDIR timeline  # copy engine busy/idle per step from a CUDA trace (decode_timeline.py)
 #   scripts/h200_session.sh OUTDIR profile  # nsys timeline of 8 decode steps at 32K f 0.75, then 128K at every fraction
 #   scripts/h200_session.sh OUTDIR lse128   # test-backend-ops, then fill + decode at 128K (HI_BB_DEPTH) in llama-batched-bench, chunked and joined (~6 min)
 #   scripts/h200_session.sh OUTDIR lsebuf   # chunked and joined compute buffers at n_ubatch 2048, 8K-256K (~3 min)
@@ -461,5 +462,13 @@ variant)
     tl python3 scripts/copy_queue_wait.py > "$out/copy_queue_wait.txt" 2>&1
     tar czf "$out/raw-variant.tgz" -C "$out" json bench.err variant.err 2>/dev/null
     rm -rf "$out/json" "$out/bench.err" "$out/variant.err"
+    ;;
+timeline)
+    # the copy engine's busy and idle time per decoding step (scripts/decode_timeline.py, PyTorch's CUDA trace):
+    # joined at 32K f 0.75 (the step boundary), chunked at 128K f 0.25 (chunks within the layer)
+    bench_model > "$out/timeline.err" 2>&1
+    { tl python3 scripts/decode_timeline.py --model "$model" --depth 32768 --frac 0.75 --trace "$out/trace-32k.json.gz"
+      tl python3 scripts/decode_timeline.py --model "$model" --depth 131072 --frac 0.25 --attn chunked --steps 4 \
+          --trace "$out/trace-128k-chunked.json.gz"; } > "$out/timeline.md" 2>> "$out/timeline.err"
     ;;
 esac

@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Where a decoding step's time goes on the GPU: the copy engine's busy and idle time, from a CUDA trace.
+
+    python3 scripts/decode_timeline.py --model M.gguf --depth 32768 --frac 0.75 [--attn chunked] [--steps 8]
+                                       [--trace OUT.json.gz]
+
+The GPU machine has no Nsight Systems, but it has PyTorch, whose profiler
+records every kernel and copy of the process through CUPTI, llama.cpp's
+included. A context is filled to ``--depth`` tokens and warmed up, then
+``--steps`` single-token steps are decoded (each waited for) under the
+profiler; a tiny PyTorch kernel marks where each step starts. Per step:
+its time, how long host-to-device copies kept the copy engine busy (their
+union) against the bytes at the machine's rate, and the copy engine's idle
+gaps longer than ``--gap-us``, each with its offset in the step and the
+kernels that ran meanwhile. A streamed step at long context should be one
+unbroken run of copies; what breaks it is what the split loses against the
+link. ``--trace`` keeps the whole trace (Chrome's format) for a closer look.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pyllama_headinfer.llama import Context, Model  # noqa: E402
+
+def busy_union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Merged [start, end) intervals, sorted."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def summarize(events: list[dict], gap_us: float, top: int = 3) -> list[str]:
+    """The report's lines, from the trace's GPU events (microseconds)."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    markers = sorted(e["ts"] for e in gpu if e["cat"] == "kernel" and "FillFunctor" in e["name"])
+    if len(markers) < 2:
+        return [f"{len(markers)} step markers in the trace: nothing to report ({len(gpu)} GPU events)"]
+    h2d = [e for e in gpu if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]]
+    kernels = [e for e in gpu if e["cat"] == "kernel" and "FillFunctor" not in e["name"]]
+    busy_all = busy_union([(e["ts"], e["ts"] + e["dur"]) for e in h2d])
+    lines = [f"| step | ms | H2D busy ms | H2D MB | idle > {gap_us:g} us: count, ms | largest (at ms: kernels meanwhile) |",
+             "|---|---|---|---|---|---|"]
+    totals = collections.Counter()
+    for i, (t0, t1) in enumerate(zip(markers, markers[1:])):
+        busy = [(max(a, t0), min(b, t1)) for a, b in busy_all if b > t0 and a < t1]
+        busy_us = sum(b - a for a, b in busy)
+        mbytes = sum(e.get("args", {}).get("bytes", 0) for e in h2d if t0 <= e["ts"] < t1) / 1e6
+        edges = [t0] + [x for ab in busy for x in ab] + [t1]
+        gaps = [(a, b) for a, b in zip(edges[0::2], edges[1::2]) if b - a > gap_us]
+        gap_ms = sum(b - a for a, b in gaps) / 1e3
+        largest = max(gaps, key=lambda g: g[1] - g[0], default=None)
+        where = ""
+        if largest:
+            names = collections.Counter(e["name"][:48] for e in kernels
+                                        if e["ts"] < largest[1] and e["ts"] + e["dur"] > largest[0])
+            where = f"{(largest[1] - largest[0]) / 1e3:.3f} (at {(largest[0] - t0) / 1e3:.2f}: " + \
+                (", ".join(f"{n} x{c}" for n, c in names.most_common(top)) or "no kernel") + ")"
+        lines.append(f"| {i} | {(t1 - t0) / 1e3:.3f} | {busy_us / 1e3:.3f} | {mbytes:.1f} | {len(gaps)}, {gap_ms:.3f} "
+                     f"| {where} |")
+        totals.update(step=(t1 - t0) / 1e3, busy=busy_us / 1e3, gaps=gap_ms, n=1)
+        # where the step's idle time falls, in tenths of the step
+        for a, b in gaps:
+            totals[f"tenth{min(9, int(10 * (a - t0) / (t1 - t0)))}"] += (b - a) / 1e3
+    n = totals["n"]
+    lines.append(f"mean over {n} steps: step {totals['step'] / n:.3f} ms, copies busy {totals['busy'] / n:.3f} ms "
+                 f"({totals['busy'] / totals['step']:.1%}), idle gaps {totals['gaps'] / n:.3f} ms; idle ms per step by "
+                 "tenth of the step: " + " ".join(f"{totals[f'tenth{k}'] / n:.3f}" for k in range(10)))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gpu_check import add_attn_arguments
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", "-m", required=True)
+    parser.add_argument("--depth", type=int, default=32768)
+    parser.add_argument("--frac", type=float, default=0.75)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--type", default="f16", help="KV cache type")
+    parser.add_argument("--gap-us", type=float, default=20.0)
+    parser.add_argument("--trace", help="write the whole trace here (gzipped Chrome trace)")
+    add_attn_arguments(parser)
+    args = parser.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    marker = torch.zeros(1, device="cuda")
+    with Model(args.model, n_gpu_layers=99) as model, \
+            Context(model, n_ctx=args.depth + args.steps + 256, n_batch=2048, n_ubatch=2048, flash_attn=True,
+                    type_k=args.type, type_v=args.type, headinfer_gpu_heads_frac=args.frac,
+                    headinfer_attn=args.attn, headinfer_attn_chunk=args.attn_chunk) as ctx:
+        ctx.decode([1 + i % (model.n_vocab - 1) for i in range(args.depth)], logits="none")
+        for i in range(3):
+            ctx.decode([1 + i]); ctx.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(args.steps + 1):
+                marker.fill_(i)  # a kernel on PyTorch's stream: where the step starts
+                torch.cuda.synchronize()
+                if i < args.steps:
+                    ctx.decode([1 + i % (model.n_vocab - 1)])
+                    ctx.synchronize()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            text = Path(path).read_text()
+    events = json.loads(text)["traceEvents"]
+    if args.trace:
+        with gzip.open(args.trace, "wt") as f:
+            f.write(text)
+    print(f"depth {args.depth}, frac {args.frac:g}, KV {args.type}, attention {args.attn}"
+          f"{f' in chunks of {args.attn_chunk}' if args.attn_chunk else ''}, {args.steps} steps")
+    for line in summarize(events, args.gap_us):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
