@@ -78,9 +78,35 @@ def summarize(events: list[dict], gap_us: float, top: int = 3) -> list[str]:
         for a, b in gaps:
             totals[f"tenth{min(9, int(10 * (a - t0) / (t1 - t0)))}"] += (b - a) / 1e3
     n = totals["n"]
+    inner = [e for e in h2d if markers[0] <= e["ts"] < markers[-1]]
+    if inner:
+        starts = sorted(inner, key=lambda e: e["ts"])
+        between = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(starts, starts[1:])]
+        lines.append(f"host-to-device copies: {len(inner) / n:.0f} per step, median {statistics.median(e.get('args', {}).get('bytes', 0) for e in inner) / 1e6:.2f} MB, "
+                     f"median rate within a copy {statistics.median(e.get('args', {}).get('bytes', 0) / e['dur'] / 1e3 for e in inner if e['dur'] > 0):.2f} GB/s, "
+                     f"from the end of one to the start of the next: median {statistics.median(between):.1f} us, "
+                     f"{sum(max(0.0, g) for g in between if g <= gap_us) / n / 1e3:.3f} ms per step in gaps <= {gap_us:g} us")
     lines.append(f"mean over {n} steps: step {totals['step'] / n:.3f} ms, copies busy {totals['busy'] / n:.3f} ms "
                  f"({totals['busy'] / totals['step']:.1%}), idle gaps {totals['gaps'] / n:.3f} ms; idle ms per step by "
                  "tenth of the step: " + " ".join(f"{totals[f'tenth{k}'] / n:.3f}" for k in range(10)))
+    return lines
+
+
+def detail(events: list[dict], step: int, edge_ms: float) -> list[str]:
+    """Every GPU event of one step within edge_ms of its start or its end: offset, duration, stream, name, bytes."""
+    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])
+    markers = [e["ts"] for e in gpu if e["cat"] == "kernel" and "FillFunctor" in e["name"]]
+    if step + 1 >= len(markers):
+        return [f"no step {step}"]
+    t0, t1 = markers[step], markers[step + 1]
+    lines = [f"step {step} ({(t1 - t0) / 1e3:.3f} ms): events within {edge_ms:g} ms of its start or end "
+             "(offset ms, duration us, stream, name, bytes)"]
+    for e in gpu:
+        end = e["ts"] + e["dur"]
+        if (t0 - 1e3 * edge_ms <= e["ts"] <= t0 + 1e3 * edge_ms or t1 - 1e3 * edge_ms <= end <= t1 + 1e3 * edge_ms):
+            lines.append(f"{(e['ts'] - t0) / 1e3:9.3f} {e['dur']:8.1f} s{e.get('args', {}).get('stream', '?'):<3} "
+                         f"{e['name'][:60]} {e.get('args', {}).get('bytes', '')}")
     return lines
 
 
@@ -95,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--type", default="f16", help="KV cache type")
     parser.add_argument("--gap-us", type=float, default=20.0)
     parser.add_argument("--trace", help="write the whole trace here (gzipped Chrome trace)")
+    parser.add_argument("--detail", type=int, default=-1, metavar="STEP",
+                        help="also list the events of this step within --edge-ms of its start and end")
+    parser.add_argument("--edge-ms", type=float, default=1.0)
     add_attn_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -128,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{f' in chunks of {args.attn_chunk}' if args.attn_chunk else ''}, {args.steps} steps")
     for line in summarize(events, args.gap_us):
         print(line)
+    if args.detail >= 0:
+        for line in detail(events, args.detail, args.edge_ms):
+            print(line)
     return 0
 
 

@@ -465,10 +465,17 @@ variant)
     ;;
 timeline)
     # the copy engine's busy and idle time per decoding step (scripts/decode_timeline.py, PyTorch's CUDA trace):
-    # joined at 32K f 0.75 (the step boundary), chunked at 128K f 0.25 (chunks within the layer)
+    # joined at 32K f 0.75 (the events at the step boundary listed; against HI_VARIANT_LIB's libggml-base too, if
+    # set), chunked at 128K f 0.25 (chunks within the layer)
     bench_model > "$out/timeline.err" 2>&1
-    { tl python3 scripts/decode_timeline.py --model "$model" --depth 32768 --frac 0.75 --trace "$out/trace-32k.json.gz"
-      tl python3 scripts/decode_timeline.py --model "$model" --depth 131072 --frac 0.25 --attn chunked --steps 4 \
-          --trace "$out/trace-128k-chunked.json.gz"; } > "$out/timeline.md" 2>> "$out/timeline.err"
+    { tl python3 scripts/decode_timeline.py --model "$model" --depth 32768 --frac 0.75 --detail 3 --edge-ms 1.2 \
+          --trace "$out/trace-32k.json.gz"
+      if [ -n "${HI_VARIANT_LIB:-}" ]; then
+          echo "== libggml-base of $HI_VARIANT_LIB"
+          tl env LD_LIBRARY_PATH="$(cd "$HI_VARIANT_LIB" && pwd)" python3 scripts/decode_timeline.py --model "$model" \
+              --depth 32768 --frac 0.75 --detail 3 --edge-ms 1.2
+      fi
+      tl python3 scripts/decode_timeline.py --model "$model" --depth 131072 --frac 0.25 --attn chunked --steps 3 \
+          --detail 1 --edge-ms 0.4 --trace "$out/trace-128k-chunked.json.gz"; } > "$out/timeline.md" 2>> "$out/timeline.err"
     ;;
 esac
