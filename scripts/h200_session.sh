@@ -17,6 +17,7 @@
 #   scripts/h200_session.sh OUTDIR lse      # chunked attention on CUDA: test-backend-ops, exactness, decode 32K/128K, fill (~5 min)
 #   HI_VARIANT_LIB=DIR scripts/h200_session.sh OUTDIR variant  # 32K f 0.75 against another libggml-base, in one run
 #   scripts/h200_session.sh OUTDIR timeline  # copy engine busy/idle per step from a CUDA trace (decode_timeline.py)
+#   [HI_VARIANT_LIB=DIR] scripts/h200_session.sh OUTDIR chunked128  # chunked 128K f 0.25: copy engine per step, decode
 #   scripts/h200_session.sh OUTDIR profile  # nsys timeline of 8 decode steps at 32K f 0.75, then 128K at every fraction
 #   scripts/h200_session.sh OUTDIR lse128   # test-backend-ops, then fill + decode at 128K (HI_BB_DEPTH) in llama-batched-bench, chunked and joined (~6 min)
 #   scripts/h200_session.sh OUTDIR lsebuf   # chunked and joined compute buffers at n_ubatch 2048, 8K-256K (~3 min)
@@ -477,5 +478,20 @@ timeline)
       fi
       tl python3 scripts/decode_timeline.py --model "$model" --depth 131072 --frac 0.25 --attn chunked --steps 3 \
           --detail 1 --edge-ms 0.4 --trace "$out/trace-128k-chunked.json.gz"; } > "$out/timeline.md" 2>> "$out/timeline.err"
+    ;;
+chunked128)
+    # chunked attention at 128K f 0.25: the copy engine per step (decode_timeline.py), then decode in llama-bench,
+    # this build and, if HI_VARIANT_LIB is set, with that directory's libraries first (e.g. libllama before a change)
+    bench_model > "$out/chunked128.err" 2>&1
+    mkdir -p "$out/json"
+    tl python3 scripts/decode_timeline.py --model "$model" --depth 131072 --frac 0.25 --attn chunked --steps 3 \
+        > "$out/timeline.md" 2>> "$out/chunked128.err"
+    args=(-ctk f16 -ctv f16 -hgf 0.25 --headinfer-attn chunked -d 131072 -p 0 -n 16 -r 1 -ub 2048)
+    lb dec_128k_chunked "${args[@]}"
+    if [ -n "${HI_VARIANT_LIB:-}" ]; then
+        LB_ENV="LD_LIBRARY_PATH=$(cd "$HI_VARIANT_LIB" && pwd)" lb dec_128k_chunked_variant "${args[@]}"
+    fi
+    tar czf "$out/raw-chunked128.tgz" -C "$out" json bench.err chunked128.err 2>/dev/null
+    rm -rf "$out/json" "$out/bench.err" "$out/chunked128.err"
     ;;
 esac

@@ -299,6 +299,35 @@ def test_chunked_attention_streams_one_chunk_at_a_time_on_rpc_devices(rpc_build,
     assert max(n for n, _ in joined) >= 2 * 3 * chunk * row, joined  # the joined heads stream the layer's 600+ cells
 
 
+CHUNKED_DECODE_SPLITS_CHILD = r"""
+import sys
+sys.path.insert(0, "scripts")
+from gpu_check import rpc_servers
+from pyllama_headinfer.llama import Context, Model, rpc_add_server
+from pyllama_headinfer.runtime.log import capture_log
+with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
+    with Context(model, n_ctx=1024, n_batch=256, n_ubatch=256, flash_attn=True, headinfer_gpu_heads_frac=0.5,
+                 headinfer_stream="any", headinfer_attn="chunked", headinfer_attn_chunk=256) as ctx:
+        ctx.decode([10 + i % 500 for i in range(600)])  # 600 cells: three chunks of 256 per layer
+        with capture_log() as log:
+            ctx.decode([7])
+print("".join(text for _, text in log))
+"""
+
+
+def test_chunked_decode_copies_each_chunks_cell_indices_once_not_once_per_layer(rpc_build, gguf_models):
+    """Each chunk of a split layer writes this graph's rows at its block of the cell-index input (get_split_chunk).
+    The block is the same for every layer: one view of the input for all layers means one copy to the device per
+    chunk and graph. A view per layer was a synchronous copy of 8 bytes per chunk, layer, K and V at the start of
+    every decoding step: 1090 of them at 128K cells on an 8B shape, ~13 ms of a 255 ms step on the GPU."""
+    out = run_split_child(rpc_build, CHUNKED_DECODE_SPLITS_CHILD, str(gguf_models["llama-gqa"]), sched_debug="2")
+    splits = split_inputs(out)
+    n_layers = sum(1 for _, inputs in splits if any(name.startswith("cache_k_host_l") for name in inputs))
+    idxs_copies = sum(inputs.count("attn_inp_k_idxs") for _, inputs in splits)  # views of the input
+    assert n_layers >= 2 * 3, splits  # three chunks in each of at least two layers
+    assert idxs_copies == 1 + 3, splits  # the stores' view, then one per chunk
+
+
 BUFFERS_ON_RPC_CHILD = r"""
 import re, sys
 sys.path.insert(0, "scripts")
