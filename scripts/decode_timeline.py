@@ -7,8 +7,9 @@
 The GPU machine has no Nsight Systems, but it has PyTorch, whose profiler
 records every kernel and copy of the process through CUPTI, llama.cpp's
 included. A context is filled to ``--depth`` tokens and warmed up, then
-``--steps`` single-token steps are decoded (each waited for) under the
-profiler; a tiny PyTorch kernel marks where each step starts. Per step:
+``--steps`` single-token steps are decoded (each waited for with
+``llama_synchronize``) under the profiler; a tiny PyTorch kernel on a stream
+of its own marks where each step starts. Per step:
 its time, how long host-to-device copies kept the copy engine busy (their
 union) against the bytes at the machine's rate, and the copy engine's idle
 gaps longer than ``--gap-us``, each with its offset in the step and the
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     marker = torch.zeros(1, device="cuda")
+    # the marker's own stream, waited for alone: torch.cuda.synchronize() waits for every stream of the device,
+    # llama.cpp's prefetch of the next step included, and would hold the host back where llama_synchronize does not
+    marker_stream = torch.cuda.Stream()
     with Model(args.model, n_gpu_layers=99) as model, \
             Context(model, n_ctx=args.depth + args.steps + 256, n_batch=2048, n_ubatch=2048, flash_attn=True,
                     type_k=args.type, type_v=args.type, headinfer_gpu_heads_frac=args.frac,
@@ -140,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             ctx.decode([1 + i]); ctx.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for i in range(args.steps + 1):
-                marker.fill_(i)  # a kernel on PyTorch's stream: where the step starts
-                torch.cuda.synchronize()
+                with torch.cuda.stream(marker_stream):
+                    marker.fill_(i)  # a kernel on a stream of its own: where the step starts
+                marker_stream.synchronize()
                 if i < args.steps:
                     ctx.decode([1 + i % (model.n_vocab - 1)])
                     ctx.synchronize()
