@@ -18,7 +18,7 @@
 #   HI_VARIANT_LIB=DIR scripts/h200_session.sh OUTDIR variant  # 32K f 0.75 against another libggml-base, in one run
 #   scripts/h200_session.sh OUTDIR timeline  # copy engine busy/idle per step from a CUDA trace (decode_timeline.py)
 #   [HI_VARIANT_LIB=DIR] scripts/h200_session.sh OUTDIR chunked128  # chunked 128K f 0.25: copy engine per step, decode
-#   scripts/h200_session.sh OUTDIR profile  # nsys timeline of 8 decode steps at 32K f 0.75, then 128K at every fraction
+#   scripts/h200_session.sh OUTDIR row128   # issue 29's 128K row at every fraction (~1.5 min)
 #   scripts/h200_session.sh OUTDIR lse128   # test-backend-ops, then fill + decode at 128K (HI_BB_DEPTH) in llama-batched-bench, chunked and joined (~6 min)
 #   scripts/h200_session.sh OUTDIR lsebuf   # chunked and joined compute buffers at n_ubatch 2048, 8K-256K (~3 min)
 #   scripts/h200_session.sh OUTDIR table    # issue 29's decode table (8K/32K -r 2, 128K) and compute buffers at n_ubatch 2048 (~5 min)
@@ -427,26 +427,13 @@ sched)
     tar czf "$out/raw.tgz" -C "$out" json bench.err sched.err 2>/dev/null
     rm -rf "$out/json" "$out/bench.err" "$out/sched.err"
     ;;
-profile)
-    # where the step's time goes at 32K f 0.75 (issue 29's last gap): an nsys timeline of 8 decode steps
-    # (llama-bench fills 32K first), reduced to the GPU's trace as CSV for scripts/copy_timeline.py; then
-    # issue 29's 128K row at every fraction (HI_PROFILE_128K=0 skips it)
-    bench_model > "$out/profile.err" 2>&1
-    nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
-    if [ -n "$nsys" ]; then
-        tl "$nsys" profile -t cuda --cuda-memory-usage=false -o /tmp/prof -f true "$bench" -m "$model" -ngl 99 -fa 1 \
-            -hgf 0.75 -d 32768 -p 0 -n 8 -r 1 >> "$out/profile.err" 2>&1
-        tl "$nsys" stats -r cuda_gpu_trace -f csv -o /tmp/prof /tmp/prof.nsys-rep >> "$out/profile.err" 2>&1
-        xz -T0 -c /tmp/prof_cuda_gpu_trace.csv > "$out/trace.csv.xz" 2>> "$out/profile.err"
-    else
-        echo "no nsys on this machine" >> "$out/profile.err"
-    fi
+row128)
+    # issue 29's 128K row at every fraction (-r 1, tg16, -ub 2048; ~1.5 min)
+    bench_model > "$out/row128.err" 2>&1
     mkdir -p "$out/json"
-    if [ "${HI_PROFILE_128K:-1}" = 1 ]; then
-        lb dec_128k_r1 -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
-    fi
-    tar czf "$out/raw-profile.tgz" -C "$out" json bench.err profile.err 2>/dev/null
-    rm -rf "$out/json" "$out/bench.err"
+    lb dec_128k_r1 -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
+    tar czf "$out/raw-row128.tgz" -C "$out" json bench.err row128.err 2>/dev/null
+    rm -rf "$out/json" "$out/bench.err" "$out/row128.err"
     ;;
 variant)
     # this build against another libggml-base (HI_VARIANT_LIB: a directory holding libggml-base.so.0 of the same pin,
