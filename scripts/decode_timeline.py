@@ -35,6 +35,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pyllama_headinfer.llama import Context, Model  # noqa: E402
 
+MARKER_KERNEL = "FillFunctor"  # PyTorch's fill_, the step marker (main)
+
+
+def gpu_events(events: list[dict]) -> list[dict]:
+    """The trace's kernels, copies and memsets, by start time."""
+    return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                  key=lambda e: e["ts"])
+
+
+def is_marker(event: dict) -> bool:
+    return event["cat"] == "kernel" and MARKER_KERNEL in event["name"]
+
+
+def copy_bytes(event: dict) -> int:
+    return event.get("args", {}).get("bytes", 0)
+
+
 def busy_union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Merged [start, end) intervals, sorted."""
     merged: list[tuple[float, float]] = []
@@ -48,20 +65,21 @@ def busy_union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]
 
 def summarize(events: list[dict], gap_us: float, top: int = 3) -> list[str]:
     """The report's lines, from the trace's GPU events (microseconds)."""
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    markers = sorted(e["ts"] for e in gpu if e["cat"] == "kernel" and "FillFunctor" in e["name"])
+    gpu = gpu_events(events)
+    markers = [e["ts"] for e in gpu if is_marker(e)]
     if len(markers) < 2:
         return [f"{len(markers)} step markers in the trace: nothing to report ({len(gpu)} GPU events)"]
     h2d = [e for e in gpu if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]]
-    kernels = [e for e in gpu if e["cat"] == "kernel" and "FillFunctor" not in e["name"]]
+    kernels = [e for e in gpu if e["cat"] == "kernel" and not is_marker(e)]
     busy_all = busy_union([(e["ts"], e["ts"] + e["dur"]) for e in h2d])
     lines = [f"| step | ms | H2D busy ms | H2D MB | idle > {gap_us:g} us: count, ms | largest (at ms: kernels meanwhile) |",
              "|---|---|---|---|---|---|"]
     totals = collections.Counter()
+    idle_by_tenth = [0.0] * 10  # ms, summed over the steps: where in the step the idle time falls
     for i, (t0, t1) in enumerate(zip(markers, markers[1:])):
         busy = [(max(a, t0), min(b, t1)) for a, b in busy_all if b > t0 and a < t1]
         busy_us = sum(b - a for a, b in busy)
-        mbytes = sum(e.get("args", {}).get("bytes", 0) for e in h2d if t0 <= e["ts"] < t1) / 1e6
+        mbytes = sum(copy_bytes(e) for e in h2d if t0 <= e["ts"] < t1) / 1e6
         edges = [t0] + [x for ab in busy for x in ab] + [t1]
         gaps = [(a, b) for a, b in zip(edges[0::2], edges[1::2]) if b - a > gap_us]
         gap_ms = sum(b - a for a, b in gaps) / 1e3
@@ -75,29 +93,28 @@ def summarize(events: list[dict], gap_us: float, top: int = 3) -> list[str]:
         lines.append(f"| {i} | {(t1 - t0) / 1e3:.3f} | {busy_us / 1e3:.3f} | {mbytes:.1f} | {len(gaps)}, {gap_ms:.3f} "
                      f"| {where} |")
         totals.update(step=(t1 - t0) / 1e3, busy=busy_us / 1e3, gaps=gap_ms, n=1)
-        # where the step's idle time falls, in tenths of the step
         for a, b in gaps:
-            totals[f"tenth{min(9, int(10 * (a - t0) / (t1 - t0)))}"] += (b - a) / 1e3
+            idle_by_tenth[min(9, int(10 * (a - t0) / (t1 - t0)))] += (b - a) / 1e3
     n = totals["n"]
     inner = [e for e in h2d if markers[0] <= e["ts"] < markers[-1]]
     if inner:
-        starts = sorted(inner, key=lambda e: e["ts"])
-        between = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(starts, starts[1:])]
-        lines.append(f"host-to-device copies: {len(inner) / n:.0f} per step, median {statistics.median(e.get('args', {}).get('bytes', 0) for e in inner) / 1e6:.2f} MB, "
-                     f"median rate within a copy {statistics.median(e.get('args', {}).get('bytes', 0) / e['dur'] / 1e3 for e in inner if e['dur'] > 0):.2f} GB/s, "
+        between = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(inner, inner[1:])]
+        size_mb = statistics.median(copy_bytes(e) for e in inner) / 1e6
+        rate = statistics.median(copy_bytes(e) / e["dur"] / 1e3 for e in inner if e["dur"] > 0)
+        lines.append(f"host-to-device copies: {len(inner) / n:.0f} per step, median {size_mb:.2f} MB, "
+                     f"median rate within a copy {rate:.2f} GB/s, "
                      f"from the end of one to the start of the next: median {statistics.median(between):.1f} us, "
                      f"{sum(max(0.0, g) for g in between if g <= gap_us) / n / 1e3:.3f} ms per step in gaps <= {gap_us:g} us")
     lines.append(f"mean over {n} steps: step {totals['step'] / n:.3f} ms, copies busy {totals['busy'] / n:.3f} ms "
                  f"({totals['busy'] / totals['step']:.1%}), idle gaps {totals['gaps'] / n:.3f} ms; idle ms per step by "
-                 "tenth of the step: " + " ".join(f"{totals[f'tenth{k}'] / n:.3f}" for k in range(10)))
+                 "tenth of the step: " + " ".join(f"{ms / n:.3f}" for ms in idle_by_tenth))
     return lines
 
 
 def detail(events: list[dict], step: int, edge_ms: float) -> list[str]:
     """Every GPU event of one step within edge_ms of its start or its end: offset, duration, stream, name, bytes."""
-    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                 key=lambda e: e["ts"])
-    markers = [e["ts"] for e in gpu if e["cat"] == "kernel" and "FillFunctor" in e["name"]]
+    gpu = gpu_events(events)
+    markers = [e["ts"] for e in gpu if is_marker(e)]
     if step + 1 >= len(markers):
         return [f"no step {step}"]
     t0, t1 = markers[step], markers[step + 1]

@@ -75,6 +75,10 @@ tl() {
     timeout "$left" "$@"
 }
 
+variant_env() {  # LD_LIBRARY_PATH=<HI_VARIANT_LIB, absolute>: the variant's libraries before the build's own (RUNPATH)
+    echo "LD_LIBRARY_PATH=$(cd "$HI_VARIANT_LIB" && pwd)"
+}
+
 bench_model() {  # the 8B-shaped benchmark model (random weights; scripts/make_bench_model.py), made once per machine
     [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"
 }
@@ -441,10 +445,10 @@ variant)
     # step, this build, the variant, this build again; then whether a small copy waits behind queued ones
     bench_model > "$out/variant.err" 2>&1
     mkdir -p "$out/json"
-    variant="LD_LIBRARY_PATH=$(cd "$HI_VARIANT_LIB" && pwd)"
     for which in this variant this2; do
-        LB_ENV=$([ $which = variant ] && echo "$variant") lb "dec_32k_$which" -ctk f16 -ctv f16 -hgf 1,0.75 -d 32768 -p 0 -n 32 -r 3
-        { echo "== $which"; tl env $([ $which = variant ] && echo "$variant") python3 scripts/decode_host_time.py \
+        which_env=$([ $which = variant ] && variant_env)
+        LB_ENV=$which_env lb "dec_32k_$which" -ctk f16 -ctv f16 -hgf 1,0.75 -d 32768 -p 0 -n 32 -r 3
+        { echo "== $which"; tl env $which_env python3 scripts/decode_host_time.py \
             --model "$model" --depth 32768 --fracs 0.75 --stream gpu; } >> "$out/host_time.md" 2>> "$out/variant.err"
     done
     tl python3 scripts/copy_queue_wait.py > "$out/copy_queue_wait.txt" 2>&1
@@ -460,7 +464,7 @@ timeline)
           --trace "$out/trace-32k.json.gz"
       if [ -n "${HI_VARIANT_LIB:-}" ]; then
           echo "== libggml-base of $HI_VARIANT_LIB"
-          tl env LD_LIBRARY_PATH="$(cd "$HI_VARIANT_LIB" && pwd)" python3 scripts/decode_timeline.py --model "$model" \
+          tl env "$(variant_env)" python3 scripts/decode_timeline.py --model "$model" \
               --depth 32768 --frac 0.75 --detail 3 --edge-ms 1.2
       fi
       tl python3 scripts/decode_timeline.py --model "$model" --depth 131072 --frac 0.25 --attn chunked --steps 3 \
@@ -476,7 +480,7 @@ chunked128)
     args=(-ctk f16 -ctv f16 -hgf 0.25 --headinfer-attn chunked -d 131072 -p 0 -n 16 -r 1 -ub 2048)
     lb dec_128k_chunked "${args[@]}"
     if [ -n "${HI_VARIANT_LIB:-}" ]; then
-        LB_ENV="LD_LIBRARY_PATH=$(cd "$HI_VARIANT_LIB" && pwd)" lb dec_128k_chunked_variant "${args[@]}"
+        LB_ENV=$(variant_env) lb dec_128k_chunked_variant "${args[@]}"
     fi
     tar czf "$out/raw-chunked128.tgz" -C "$out" json bench.err chunked128.err 2>/dev/null
     rm -rf "$out/json" "$out/bench.err" "$out/chunked128.err"
