@@ -19,6 +19,7 @@
 #   scripts/h200_session.sh OUTDIR timeline  # copy engine busy/idle per step from a CUDA trace (decode_timeline.py)
 #   [HI_VARIANT_LIB=DIR] scripts/h200_session.sh OUTDIR chunked128  # chunked 128K f 0.25: copy engine per step, decode
 #   scripts/h200_session.sh OUTDIR row128   # issue 29's 128K row at every fraction (~1.5 min)
+#   scripts/h200_session.sh OUTDIR slots3   # three staging slots against two (GGML_SCHED_STREAM_SLOTS=2) in one run: test-backend-sched, exactness, 32K, timeline (~6 min)
 #   scripts/h200_session.sh OUTDIR lse128   # test-backend-ops, then fill + decode at 128K (HI_BB_DEPTH) in llama-batched-bench, chunked and joined (~6 min)
 #   scripts/h200_session.sh OUTDIR lsebuf   # chunked and joined compute buffers at n_ubatch 2048, 8K-256K (~3 min)
 #   scripts/h200_session.sh OUTDIR table    # issue 29's decode table (8K/32K -r 2, 128K) and compute buffers at n_ubatch 2048 (~5 min)
@@ -469,6 +470,29 @@ timeline)
       fi
       tl python3 scripts/decode_timeline.py --model "$model" --depth 131072 --frac 0.25 --attn chunked --steps 3 \
           --detail 1 --edge-ms 0.4 --trace "$out/trace-128k-chunked.json.gz"; } > "$out/timeline.md" 2>> "$out/timeline.err"
+    ;;
+slots3)
+    # patch 0042's third staging slot against two slots (GGML_SCHED_STREAM_SLOTS=2, the same build) in one run: the
+    # scheduler test and exactness with fusion off (streamed), issue 29's 32K row alternately with three and two
+    # slots, the host time per step, the copy engine at the step boundary (32K f 0.75) with each
+    scheduler_test
+    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
+    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
+    bench_model > "$out/slots3.err" 2>&1
+    mkdir -p "$out/json"
+    for which in three two three2 two2; do
+        which_env=$(case $which in two*) echo GGML_SCHED_STREAM_SLOTS=2;; esac)
+        LB_ENV=$which_env lb "dec_32k_$which" -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 32768 -p 0 -n 32 -r "${HI_REPS:-2}"
+    done
+    for which in three two; do
+        which_env=$([ $which = two ] && echo GGML_SCHED_STREAM_SLOTS=2)
+        { echo "== $which slots"; tl env $which_env python3 scripts/decode_host_time.py \
+            --model "$model" --depth 32768 --fracs 0.75,0.25 --stream gpu; } >> "$out/host_time.md" 2>> "$out/slots3.err"
+        { echo "== $which slots"; tl env $which_env python3 scripts/decode_timeline.py --model "$model" \
+            --depth 32768 --frac 0.75 --detail 3 --edge-ms 1.2; } >> "$out/timeline.md" 2>> "$out/slots3.err"
+    done
+    tar czf "$out/raw-slots3.tgz" -C "$out" json bench.err slots3.err 2>/dev/null
+    rm -rf "$out/json" "$out/bench.err" "$out/slots3.err"
     ;;
 chunked128)
     # chunked attention at 128K f 0.25: the copy engine per step (decode_timeline.py), then decode in llama-bench,

@@ -367,8 +367,8 @@ def test_chunked_attention_bounds_the_device_buffer_with_streaming(rpc_build, gg
 
 def streamed_bytes(log: str) -> list[tuple[int, int]]:
     """(bytes streamed, slot size) of each streamed split (GGML_SCHED_DEBUG=1: "split #i streams N bytes into slot s
-    (S bytes)")."""
-    pattern = r"split #\d+ streams (\d+) bytes into slot \d \((\d+) bytes\)"
+    of n (S bytes)")."""
+    pattern = r"split #\d+ streams (\d+) bytes into slot \d of \d \((\d+) bytes\)"
     return [(int(n), int(size)) for n, size in re.findall(pattern, log)]
 
 
