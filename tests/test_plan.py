@@ -605,6 +605,14 @@ def test_chunked_arena_is_fixed_by_the_chunk(all_models):
     assert plan_kv(m, 65536, headinfer_attn="chunked").row(2).compute < plan_kv(m, 65536).row(2).compute
 
 
+def test_a_third_staging_slot_while_slots_are_small(all_models):
+    # patch 0042: the scheduler stages the host heads in three slots while one holds at most 128 MiB, in two above
+    m = all_models["llama-gqa"]  # 4 KV heads of 64, f16: at g = 1, 3 heads (768 bytes a cell) in host memory
+    host, joined = 3 * 64 * 2 * 2, 4 * 64 * 2 * 2
+    for n_ctx, slots in ((131072, 3), (262144, 2)):  # slots of 96 and 192 MiB
+        assert plan_kv(m, n_ctx).row(1).arena == (slots * host + joined) * n_ctx, n_ctx
+
+
 def test_cli_chunked_json_and_bad_chunk(gguf_models, capsys):
     m = gguf_models["llama-gqa"]
     assert main("-m", m, "-c", 65536, "--headinfer-attn", "chunked", "--json") == 0
@@ -617,11 +625,13 @@ def test_cli_chunked_json_and_bad_chunk(gguf_models, capsys):
 
 
 def test_nothing_fits_suggests_chunks(all_models):
-    # a budget between the chunked and the joined totals of g = 1: only attention in chunks fits
+    # a budget between the chunked total of g = 1 and the smallest joined total (on this 3-layer model frac 1.0's:
+    # a split layer's staging slots and joined heads cost more than its host heads save): only chunks fit
     m = all_models["llama-gqa"]
-    joined, chunked = plan_kv(m, 65536).row(1), plan_kv(m, 65536, headinfer_attn="chunked").row(1)
-    assert chunked.device_total < joined.device_total
-    budget = (chunked.device_total + joined.device_total) // 2
+    joined = min(r.device_total for r in plan_kv(m, 65536).rows)
+    chunked = plan_kv(m, 65536, headinfer_attn="chunked").row(1).device_total
+    assert chunked < joined
+    budget = (chunked + joined) // 2
     p = plan_kv(m, 65536, budget)
     assert p.chosen is None
     g = plan_kv(m, 65536, budget, headinfer_attn="chunked").chosen.g

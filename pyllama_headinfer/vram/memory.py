@@ -330,25 +330,41 @@ def _host_row(s: Settings, layer: KVLayer, g: int) -> int:
     return row_size(ggml_type(s.type_k), n_host * layer.head_k) + row_size(ggml_type(s.type_v), n_host * layer.head_v)
 
 
+# the largest staging slot that the scheduler adds a third slot for (patch 0042: GGML_SCHED_STREAM_SMALL_SLOT)
+STREAM_SMALL_SLOT = 128 << 20
+
+
 def _split_transient(s: Settings, layer: KVLayer, g: int) -> tuple[int, int]:
-    """A split layer's (staging, joined) device bytes: the scheduler's two
-    staging slots of its host K and V (patch 0018) and its K and V joined on
-    the device, both over the cells of one attention (:func:`_attn_cells`).
-    (0, 0) for a layer that does not split."""
+    """A split layer's (slot, joined) device bytes: one of the scheduler's
+    staging slots, which holds its host K and V (patch 0018), and its K and V
+    joined on the device, both over the cells of one attention
+    (:func:`_attn_cells`). (0, 0) for a layer that does not split."""
     if g >= layer.n_head_kv:
         return 0, 0
     cells = _attn_cells(s, layer)
     joined = row_size(ggml_type(s.type_k), layer.n_head_kv * layer.head_k) + row_size(ggml_type(s.type_v), layer.row_v)
-    return 2 * _host_row(s, layer, g) * cells, joined * cells
+    return _host_row(s, layer, g) * cells, joined * cells
+
+
+def _staging(s: Settings, layers: Sequence[KVLayer], resident: Sequence[int], slot: int) -> int:
+    """The scheduler's staging buffer for slots of ``slot`` bytes: three slots
+    while a slot is small (at most :data:`STREAM_SMALL_SLOT`) and at least
+    three splits stream (one per split layer, or per chunk of one in chunked
+    mode), two otherwise (patch 0042)."""
+    n_streamed = sum(-(-layer.cells // s.attn_chunk) if s.attn_chunk else 1
+                     for layer, g in zip(layers, resident) if layer.on_device and g < layer.n_head_kv)
+    return (3 if slot <= STREAM_SMALL_SLOT and n_streamed >= 3 else 2) * slot
 
 
 def arena_estimate(s: Settings, layers: Sequence[KVLayer], resident: Sequence[int]) -> int:
     """The device memory the split adds to stream the host heads (0 when no
-    layer splits): the largest split layer's staging slots and joined K and V
-    (:func:`_split_transient`). It grows with the context with one attention
-    per layer; in chunked mode it is fixed by the chunk size."""
+    layer splits): the staging slots of the largest split layer's host heads
+    (:func:`_staging`) and its joined K and V (:func:`_split_transient`). It
+    grows with the context with one attention per layer; in chunked mode it is
+    fixed by the chunk size."""
     parts = [_split_transient(s, x, g) for x, g in zip(layers, resident) if x.on_device]
-    return max((p[0] for p in parts), default=0) + max((p[1] for p in parts), default=0)
+    slot = max((p[0] for p in parts), default=0)
+    return _staging(s, layers, resident, slot) + max((p[1] for p in parts), default=0)
 
 
 def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequence[KVLayer],
@@ -376,8 +392,9 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
 
     * the scheduler's staging buffer (patch 0018): two slots, each one split
       layer's host K and V (the largest), outside ggml-alloc -- the host heads
-      are copied there one layer ahead (with the joined K and V above:
-      :func:`arena_estimate`);
+      are copied there one layer ahead -- or three while slots are small
+      (patch 0042: two layers ahead; :func:`_staging`; with the joined K and V
+      above: :func:`arena_estimate`);
     * in chunked mode (``s.attn_chunk``): the joined K and V, the staging slots
       and the f16 copies of a quantized K and V are one chunk's, not a whole
       layer's; every layer's attention holds two chunks' results (values and
@@ -408,15 +425,15 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
         hk, hv = info.head_k_of(il), info.head_v_of(il)
         attn_act = max(attn_act, f32 * T * (2 * info.n_embd + nh * hk + nkv * hk + nkv * hv + nh * hv))
         ffn_act = max(ffn_act, f32 * T * (2 * info.n_embd + 3 * info.n_ff[il]))
-    ws = staging = rows = 0
+    ws = slot = rows = 0
     masks = {}
     for layer, g in zip(layers, resident):
         masks[layer.is_swa] = 2 * layer.cells * T
         if not (layer.on_device or offload_ops):
             continue
         cells = _attn_cells(s, layer)
-        layer_staging, joined = _split_transient(s, layer, g)
-        staging = max(staging, layer_staging)  # two slots of the largest layer's host K+V
+        layer_slot, joined = _split_transient(s, layer, g)
+        slot = max(slot, layer_slot)  # the staging slots hold the largest layer's host K+V
         lw = joined  # concat results
         if g < layer.n_head_kv:
             rows = max(rows, _host_row(s, layer, g) * T)  # converted rows waiting for the layer's host stores
@@ -434,4 +451,5 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
     output_stage = 0
     if w.output_on_gpu or offload_ops:
         output_stage = f32 * T * (info.n_vocab + 2 * info.n_embd) + (w.host_output if offload_ops else 0)
+    staging = _staging(s, layers, resident, slot) if slot else 0
     return max(layer_stage, output_stage) + sum(masks.values()) + staging + rows
