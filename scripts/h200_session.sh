@@ -19,7 +19,7 @@
 #   scripts/h200_session.sh OUTDIR timeline  # copy engine busy/idle per step from a CUDA trace (decode_timeline.py)
 #   [HI_VARIANT_LIB=DIR] scripts/h200_session.sh OUTDIR chunked128  # chunked 128K f 0.25: copy engine per step, decode
 #   scripts/h200_session.sh OUTDIR row128   # issue 29's 128K row at every fraction (~1.5 min)
-#   scripts/h200_session.sh OUTDIR first128 # chunked 128K f 0.25: the first steps after the fill, decode with and without CUDA graphs, two slots (~6 min)
+#   scripts/h200_session.sh OUTDIR first128 # chunked 128K f 0.25 with three slots and two, then the copy rate's spread (~3 min)
 #   scripts/h200_session.sh OUTDIR slots3   # three staging slots against two (GGML_SCHED_STREAM_SLOTS=2) in one run: test-backend-sched, exactness, 32K, timeline (~6 min)
 #   scripts/h200_session.sh OUTDIR lse128   # test-backend-ops, then fill + decode at 128K (HI_BB_DEPTH) in llama-batched-bench, chunked and joined (~6 min)
 #   scripts/h200_session.sh OUTDIR lsebuf   # chunked and joined compute buffers at n_ubatch 2048, 8K-256K (~3 min)
@@ -496,17 +496,15 @@ slots3)
     rm -rf "$out/json" "$out/bench.err" "$out/slots3.err"
     ;;
 first128)
-    # chunked 128K f 0.25 (three staging slots for its chunks): the host time per step and the first two steps after
-    # the fill (decode_host_time.py), then llama-bench's tg16 with CUDA graphs and without (GGML_CUDA_DISABLE_GRAPHS:
-    # a new graph's CUDA graphs are captured again at its second step, one per split) and with two slots
+    # chunked 128K f 0.25: llama-bench's tg16 with three staging slots for its chunks (the default) and two
+    # (GGML_SCHED_STREAM_SLOTS=2), then the machine's copy rate and how much it varies (h2d_bandwidth.py)
     bench_model > "$out/first128.err" 2>&1
     mkdir -p "$out/json"
-    { echo "== three slots"; tl python3 scripts/decode_host_time.py --model "$model" \
-        --depth 131072 --fracs 0.25 --stream gpu --attn chunked --steps 8; } >> "$out/host_time.md" 2>> "$out/first128.err"
-    for which in three nographs two; do
-        LB_ENV=$(case $which in two) echo GGML_SCHED_STREAM_SLOTS=2;; nographs) echo GGML_CUDA_DISABLE_GRAPHS=1;; esac) \
-            lb "dec_128k_chunked_$which" -ctk f16 -ctv f16 -hgf 0.25 --headinfer-attn chunked -d 131072 -p 0 -n 16 -r 1 -ub 2048
+    for which in three two; do
+        LB_ENV=$([ $which = two ] && echo GGML_SCHED_STREAM_SLOTS=2) lb "dec_128k_chunked_$which" -ctk f16 -ctv f16 \
+            -hgf 0.25 --headinfer-attn chunked -d 131072 -p 0 -n 16 -r 1 -ub 2048
     done
+    tl python3 scripts/h2d_bandwidth.py >> "$out/bench.md" 2>> "$out/first128.err"
     tar czf "$out/raw-first128.tgz" -C "$out" json bench.err first128.err 2>/dev/null
     rm -rf "$out/json" "$out/bench.err" "$out/first128.err"
     ;;
