@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                              headinfer_attn_chunk=args.attn_chunk) as ctx:
                     filler = [1 + i % (model.n_vocab - 1) for i in range(args.depth)]
                     ctx.decode(filler, logits="none")
+                    ctx.synchronize()  # llama_decode returns once the fill's last ubatch is queued, not computed
                     # the first steps after the fill: a new graph (e.g. CUDA graphs captured again), not in the medians
                     _, first = time_steps(ctx, 2)
                     host_steps, total_steps = time_steps(ctx, args.steps)

@@ -20,6 +20,7 @@
 #   [HI_VARIANT_LIB=DIR] scripts/h200_session.sh OUTDIR chunked128  # chunked 128K f 0.25: copy engine per step, decode
 #   scripts/h200_session.sh OUTDIR row128   # issue 29's 128K row at every fraction (~1.5 min)
 #   scripts/h200_session.sh OUTDIR first128 # chunked 128K f 0.25 with three slots and two, then the copy rate's spread (~3 min)
+#   HI_VARIANT_LIB=DIR scripts/h200_session.sh OUTDIR ahead  # 32K f 0.75 against another libggml-base: copy engine at the step boundary, decode (~2.5 min)
 #   scripts/h200_session.sh OUTDIR slots3   # three staging slots against two (GGML_SCHED_STREAM_SLOTS=2) in one run: test-backend-sched, exactness, 32K, timeline (~6 min)
 #   scripts/h200_session.sh OUTDIR lse128   # test-backend-ops, then fill + decode at 128K (HI_BB_DEPTH) in llama-batched-bench, chunked and joined (~6 min)
 #   scripts/h200_session.sh OUTDIR lsebuf   # chunked and joined compute buffers at n_ubatch 2048, 8K-256K (~3 min)
@@ -471,6 +472,23 @@ timeline)
       fi
       tl python3 scripts/decode_timeline.py --model "$model" --depth 131072 --frac 0.25 --attn chunked --steps 3 \
           --detail 1 --edge-ms 0.4 --trace "$out/trace-128k-chunked.json.gz"; } > "$out/timeline.md" 2>> "$out/timeline.err"
+    ;;
+ahead)
+    # this build against HI_VARIANT_LIB's libggml-base (e.g. the series before a change to the step boundary), in one
+    # run: the copy engine at the step boundary at 32K f 0.75 (decode_timeline.py), then llama-bench at frac 1 and 0.75
+    bench_model > "$out/ahead.err" 2>&1
+    mkdir -p "$out/json"
+    for which in this variant; do
+        which_env=$([ $which = variant ] && variant_env)
+        { echo "== $which"; tl env $which_env python3 scripts/decode_timeline.py --model "$model" --depth 32768 \
+            --frac 0.75 --steps 8 --detail 3 --edge-ms 1.0; } >> "$out/timeline.md" 2>> "$out/ahead.err"
+    done
+    for which in this variant this2 variant2; do
+        LB_ENV=$(case $which in variant*) variant_env;; esac) lb "dec_32k_$which" -ctk f16 -ctv f16 -hgf 1,0.75 \
+            -d 32768 -p 0 -n 32 -r 2
+    done
+    tar czf "$out/raw-ahead.tgz" -C "$out" json bench.err ahead.err 2>/dev/null
+    rm -rf "$out/json" "$out/bench.err" "$out/ahead.err"
     ;;
 slots3)
     # patch 0042's third staging slot against two slots (GGML_SCHED_STREAM_SLOTS=2, the same build) in one run: the

@@ -409,6 +409,24 @@ def test_streams_of_sequences_not_in_the_ubatch_are_not_streamed(rpc_build, gguf
     assert all(streamed == 2 * n_kv * row for streamed, _ in splits), splits
 
 
+def test_host_heads_are_copied_two_layers_ahead_in_three_small_slots(rpc_build, gguf_models):
+    """While a layer's host heads are small (patch 0042: at most 128 MiB), the scheduler stages them in three slots
+    and copies them two split layers ahead: the first two layers' at the end of the step before (the second one's
+    while the host prepares the next step), the third one's at the device's first split, right after its graph
+    inputs are copied, rather than when the first layer's attention starts (after the device's work before it is
+    queued: 0.14 ms of idle copy engine per step on the H100, docs/BENCHMARKS.md)."""
+    stdout = run_split_child(rpc_build, DECODE_STREAMS_CHILD, str(gguf_models["llama-gqa"]), "0", sched_debug="1")
+    slots = re.findall(r"split #(\d+) streams \d+ bytes into slot (\d) of (\d)", stdout)
+    assert [(int(slot), int(n)) for _, slot, n in slots] == [(0, 3), (1, 3), (2, 3)], stdout  # 3 layers, 64 KiB each
+    layers = [int(i) for i, _, _ in slots]
+    first_device = min(int(i) for i, backend in re.findall(r"## SPLIT #(\d+): (\S+)", stdout) if backend.startswith("RPC"))
+    assert first_device < layers[0], stdout
+    starts = [(int(a), int(b)) for a, b in re.findall(r"split #(\d+) starts the copies of split #(\d+)", stdout)]
+    assert starts == [(first_device, layers[2])], stdout
+    assert (f"the next computation's split #{layers[0]} prefetched at the start of split #{layers[2]}, "
+            "the next one at its end") in stdout
+
+
 def test_index_views_are_copied_at_the_first_device_split(rpc_build, gguf_models):
     """With one KV stream per sequence, every split layer reads the ubatch's cell indices through views of the index
     inputs. Views of graph inputs are copied when the device's first split starts, as the inputs themselves (patch
