@@ -289,6 +289,7 @@ B11549_VERDICTS = {  # the b11312 series 3-way onto b11549, no resolutions (docs
     "0033": "CONFLICT",  # next to 0013's and 0021's flags in common, which conflict there
     "0032": "merged",  # its graph budget goes where b11549 counts the samplers' nodes: the rebase resolves it by hand
     "0037": "CONFLICT",  # RPC_CMD_SUPPORTS_OP after b11549's new commands, minor version 1 of its major 8
+    "0042": "merged",  # its ggml-backend.h lines are in 0018's comment, which conflicts there
 }
 
 
@@ -329,7 +330,7 @@ def test_b11549_series_is_the_recorded_retarget(capsys, tmp_path, real_cache):
     shutil.copytree(Path(__file__).resolve().parents[1] / "patches" / "b11549", out_dir)
     code, out = _run(capsys, "patch", "rebase", "--onto", "b11549", "--out", str(out_dir))
     assert code == 0 and "CONFLICT" not in out, out
-    assert re.search(r"43 patches: 30 clean, 13 replayed", out), out
+    assert re.search(r"43 patches: 29 clean, 14 replayed", out), out
 
 
 def test_an_empty_or_abbreviated_pin_option_is_a_usage_error(capsys):
