@@ -82,6 +82,14 @@ variant_env() {  # LD_LIBRARY_PATH=<HI_VARIANT_LIB, absolute>: the variant's lib
     echo "LD_LIBRARY_PATH=$(cd "$HI_VARIANT_LIB" && pwd)"
 }
 
+run_env() {  # the environment of one run of a comparison, by its name: variant* -> variant_env, two* -> two staging
+             # slots (GGML_SCHED_STREAM_SLOTS=2, patch 0042), anything else (this, three, ...) -> none
+    case $1 in
+        variant*) variant_env ;;
+        two*) echo GGML_SCHED_STREAM_SLOTS=2 ;;
+    esac
+}
+
 bench_model() {  # the 8B-shaped benchmark model (random weights; scripts/make_bench_model.py), made once per machine
     [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"
 }
@@ -449,7 +457,7 @@ variant)
     bench_model > "$out/variant.err" 2>&1
     mkdir -p "$out/json"
     for which in this variant this2; do
-        which_env=$([ $which = variant ] && variant_env)
+        which_env=$(run_env $which)
         LB_ENV=$which_env lb "dec_32k_$which" -ctk f16 -ctv f16 -hgf 1,0.75 -d 32768 -p 0 -n 32 -r 3
         { echo "== $which"; tl env $which_env python3 scripts/decode_host_time.py \
             --model "$model" --depth 32768 --fracs 0.75 --stream gpu; } >> "$out/host_time.md" 2>> "$out/variant.err"
@@ -479,12 +487,12 @@ ahead)
     bench_model > "$out/ahead.err" 2>&1
     mkdir -p "$out/json"
     for which in this variant; do
-        which_env=$([ $which = variant ] && variant_env)
+        which_env=$(run_env $which)
         { echo "== $which"; tl env $which_env python3 scripts/decode_timeline.py --model "$model" --depth 32768 \
             --frac 0.75 --steps 8 --detail 3 --edge-ms 1.0; } >> "$out/timeline.md" 2>> "$out/ahead.err"
     done
     for which in this variant this2 variant2; do
-        LB_ENV=$(case $which in variant*) variant_env;; esac) lb "dec_32k_$which" -ctk f16 -ctv f16 -hgf 1,0.75 \
+        LB_ENV=$(run_env $which) lb "dec_32k_$which" -ctk f16 -ctv f16 -hgf 1,0.75 \
             -d 32768 -p 0 -n 32 -r 2
     done
     tar czf "$out/raw-ahead.tgz" -C "$out" json bench.err ahead.err 2>/dev/null
@@ -500,11 +508,11 @@ slots3)
     bench_model > "$out/slots3.err" 2>&1
     mkdir -p "$out/json"
     for which in three two three2 two2; do
-        which_env=$(case $which in two*) echo GGML_SCHED_STREAM_SLOTS=2;; esac)
+        which_env=$(run_env $which)
         LB_ENV=$which_env lb "dec_32k_$which" -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 32768 -p 0 -n 32 -r "${HI_REPS:-2}"
     done
     for which in three two; do
-        which_env=$([ $which = two ] && echo GGML_SCHED_STREAM_SLOTS=2)
+        which_env=$(run_env $which)
         { echo "== $which slots"; tl env $which_env python3 scripts/decode_host_time.py \
             --model "$model" --depth 32768 --fracs 0.75,0.25 --stream gpu; } >> "$out/host_time.md" 2>> "$out/slots3.err"
         { echo "== $which slots"; tl env $which_env python3 scripts/decode_timeline.py --model "$model" \
@@ -519,7 +527,7 @@ first128)
     bench_model > "$out/first128.err" 2>&1
     mkdir -p "$out/json"
     for which in three two; do
-        LB_ENV=$([ $which = two ] && echo GGML_SCHED_STREAM_SLOTS=2) lb "dec_128k_chunked_$which" -ctk f16 -ctv f16 \
+        LB_ENV=$(run_env $which) lb "dec_128k_chunked_$which" -ctk f16 -ctv f16 \
             -hgf 0.25 --headinfer-attn chunked -d 131072 -p 0 -n 16 -r 1 -ub 2048
     done
     tl python3 scripts/h2d_bandwidth.py >> "$out/bench.md" 2>> "$out/first128.err"

@@ -6,33 +6,29 @@ varies: 1 GiB in copies of 16 MiB timed 100 times over a few seconds (min, media
 
   python3 scripts/h2d_bandwidth.py     # on the GPU machine (its image has PyTorch)
 """
-import torch, time
+import torch
+
 n = 1 << 30
 h = torch.empty(n, dtype=torch.uint8).pin_memory()
 d = torch.empty(n, dtype=torch.uint8, device="cuda")
 s = torch.cuda.Stream()
-for chunk in (1 << 30, 16 << 20, 4 << 20):
-    best = 0
-    for rep in range(5):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(s):
-            e0.record(s)
-            for o in range(0, n, chunk):
-                d[o:o + chunk].copy_(h[o:o + chunk], non_blocking=True)
-            e1.record(s)
-        e1.synchronize()
-        best = max(best, n / (e0.elapsed_time(e1) / 1e3) / 1e9)
-    print(f"H2D pinned, {n >> 20} MiB in copies of {chunk >> 20} MiB: {best:.2f} GB/s (best of 5)")
-rates = []
-for rep in range(100):
+
+
+def rate(chunk: int) -> float:
+    """GB/s of one copy of the n bytes in copies of chunk bytes, queued on s and timed by its events."""
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(s):
         e0.record(s)
-        for o in range(0, n, 16 << 20):
-            d[o:o + (16 << 20)].copy_(h[o:o + (16 << 20)], non_blocking=True)
+        for o in range(0, n, chunk):
+            d[o:o + chunk].copy_(h[o:o + chunk], non_blocking=True)
         e1.record(s)
     e1.synchronize()
-    rates.append(n / (e0.elapsed_time(e1) / 1e3) / 1e9)
-rates.sort()
+    return n / (e0.elapsed_time(e1) / 1e3) / 1e9
+
+
+for chunk in (1 << 30, 16 << 20, 4 << 20):
+    best = max(rate(chunk) for _ in range(5))
+    print(f"H2D pinned, {n >> 20} MiB in copies of {chunk >> 20} MiB: {best:.2f} GB/s (best of 5)")
+rates = sorted(rate(16 << 20) for _ in range(100))
 print(f"H2D pinned, {n >> 20} MiB in copies of 16 MiB, 100 times: min {rates[0]:.2f}, median {rates[50]:.2f}, "
       f"max {rates[-1]:.2f} GB/s")

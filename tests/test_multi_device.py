@@ -365,11 +365,16 @@ def test_chunked_attention_bounds_the_device_buffer_with_streaming(rpc_build, gg
     assert growth["chunked"] < growth["joined"] / 8, (growth, mib)
 
 
+def streamed_splits(log: str) -> list[tuple[int, int, int, int, int]]:
+    """(split, bytes streamed, slot, slots, slot size) of each streamed split (GGML_SCHED_DEBUG=1: "split #i streams
+    N bytes into slot s of n (S bytes)")."""
+    pattern = r"split #(\d+) streams (\d+) bytes into slot (\d) of (\d) \((\d+) bytes\)"
+    return [tuple(int(x) for x in found) for found in re.findall(pattern, log)]
+
+
 def streamed_bytes(log: str) -> list[tuple[int, int]]:
-    """(bytes streamed, slot size) of each streamed split (GGML_SCHED_DEBUG=1: "split #i streams N bytes into slot s
-    of n (S bytes)")."""
-    pattern = r"split #\d+ streams (\d+) bytes into slot \d of \d \((\d+) bytes\)"
-    return [(int(n), int(size)) for n, size in re.findall(pattern, log)]
+    """(bytes streamed, slot size) of each streamed split."""
+    return [(n, size) for _, n, _, _, size in streamed_splits(log)]
 
 
 def split_inputs(log: str) -> list[tuple[str, list[str]]]:
@@ -416,10 +421,10 @@ def test_host_heads_are_copied_two_layers_ahead_in_three_small_slots(rpc_build, 
     inputs are copied, rather than when the first layer's attention starts (after the device's work before it is
     queued: 0.14 ms of idle copy engine per step on the H100, docs/BENCHMARKS.md)."""
     stdout = run_split_child(rpc_build, DECODE_STREAMS_CHILD, str(gguf_models["llama-gqa"]), "0", sched_debug="1")
-    slots = re.findall(r"split #(\d+) streams \d+ bytes into slot (\d) of (\d)", stdout)
-    assert [(int(slot), int(n)) for _, slot, n in slots] == [(0, 3), (1, 3), (2, 3)], stdout  # 3 layers, 64 KiB each
-    layers = [int(i) for i, _, _ in slots]
-    first_device = min(int(i) for i, backend in re.findall(r"## SPLIT #(\d+): (\S+)", stdout) if backend.startswith("RPC"))
+    streamed = streamed_splits(stdout)
+    assert [(slot, n) for _, _, slot, n, _ in streamed] == [(0, 3), (1, 3), (2, 3)], stdout  # 3 layers, 64 KiB each
+    layers = [split for split, *_ in streamed]
+    first_device = next(i for i, (backend, _) in enumerate(split_inputs(stdout)) if backend.startswith("RPC"))
     assert first_device < layers[0], stdout
     starts = [(int(a), int(b)) for a, b in re.findall(r"split #(\d+) starts the copies of split #(\d+)", stdout)]
     assert starts == [(first_device, layers[2])], stdout
