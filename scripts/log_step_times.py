@@ -46,8 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log")
     args = parser.parse_args(argv)
-    with open(args.log, errors="replace") as f:
-        starts = step_starts(f)
+    try:
+        with open(args.log, errors="replace") as f:
+            starts = step_starts(f)
+    except OSError as e:
+        print(f"{args.log}: {e.strerror}", file=sys.stderr)
+        return 2
     times = [1e3 * (b - a) for a, b in zip(starts, starts[1:])]
     if not times:
         print(f"{args.log}: fewer than two steps with reused CUDA graphs (was the log written with -v?)",

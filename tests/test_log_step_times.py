@@ -36,3 +36,8 @@ def test_a_log_without_reused_graphs_is_an_error(steps, tmp_path, capsys):
     log.write_text("0.00.281.154 I llama_model_loader: loaded\n")
     assert steps.main([str(log)]) == 1
     assert "was the log written with -v?" in capsys.readouterr().err
+
+
+def test_a_missing_log_is_a_one_line_error(steps, tmp_path, capsys):
+    assert steps.main([str(tmp_path / "missing.err")]) == 2
+    assert capsys.readouterr().err.strip() == f"{tmp_path / 'missing.err'}: No such file or directory"
