@@ -24,6 +24,7 @@
 #   scripts/h200_session.sh OUTDIR slots3   # three staging slots against two (GGML_SCHED_STREAM_SLOTS=2) in one run: test-backend-sched, exactness, 32K, timeline (~6 min)
 #   scripts/h200_session.sh OUTDIR lse128   # test-backend-ops, then fill + decode at 128K (HI_BB_DEPTH) in llama-batched-bench, chunked and joined (~6 min)
 #   scripts/h200_session.sh OUTDIR lsebuf   # chunked and joined compute buffers at n_ubatch 2048, 8K-256K (~3 min)
+#   scripts/h200_session.sh OUTDIR issue29  # issue 29's whole check: copy rate, test-backend-sched, exactness, table 8K-128K, buffers (~9 min)
 #   scripts/h200_session.sh OUTDIR table    # issue 29's decode table (8K/32K -r 2, 128K) and compute buffers at n_ubatch 2048 (~5 min)
 #
 # PYLLAMA_HEADINFER_PIN picks the pin (its build directory is build/cuda-sm90-<pin> for a pin other than the
@@ -441,6 +442,24 @@ sched)
     fi
     tar czf "$out/raw.tgz" -C "$out" json bench.err sched.err 2>/dev/null
     rm -rf "$out/json" "$out/bench.err" "$out/sched.err"
+    ;;
+issue29)
+    # issue 29's whole check in one call: the machine's copy rate (before and after), the scheduler test and
+    # exactness with fusion off, the decode table at 8K/32K (-r 3) and 128K (every fraction), the compute buffers
+    tl python3 scripts/h2d_bandwidth.py > "$out/h2d.txt" 2>&1
+    scheduler_test
+    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
+    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
+    bench_model > "$out/issue29.err" 2>&1
+    mkdir -p "$out/json"
+    lb dec_8k_32k_r3 -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r "${HI_REPS:-3}"
+    lb dec_128k_r1 -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
+    { echo "== python3 scripts/graph_splits.py --ubatch 2048 --ctx 8192,32768,131072 --fracs 1,0.5,0.25"
+      tl python3 scripts/graph_splits.py --model "$model" --ubatch 2048 --ctx 8192,32768,131072 --fracs 1,0.5,0.25; } \
+        > "$out/splits.txt" 2>> "$out/issue29.err"
+    { echo "== after the table"; tl python3 scripts/h2d_bandwidth.py; } >> "$out/h2d.txt" 2>&1
+    tar czf "$out/raw-issue29.tgz" -C "$out" json bench.err issue29.err 2>/dev/null
+    rm -rf "$out/json" "$out/bench.err" "$out/issue29.err"
     ;;
 row128)
     # issue 29's 128K row at every fraction (-r 1, tg16, -ub 2048; ~1.5 min)
