@@ -47,7 +47,7 @@ def time_steps(ctx: Context, n_steps: int) -> tuple[list[float], list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gpu_check import add_attn_arguments  # the exactness check's --attn and --attn-chunk
+    from gpu_check import add_attn_arguments, filled_context  # the exactness check's --attn, --attn-chunk
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", "-m", required=True)
@@ -73,13 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     with Model(args.model, n_gpu_layers=args.ngl) as model:
         for frac in fracs:
             for stream in (streams if frac < 1 else streams[:1]):
-                with Context(model, n_ctx=args.depth + args.steps + 256, n_batch=2048, n_ubatch=2048,
-                             flash_attn=True, type_k=args.type, type_v=args.type,
-                             headinfer_gpu_heads_frac=frac, headinfer_stream=stream, headinfer_attn=args.attn,
-                             headinfer_attn_chunk=args.attn_chunk) as ctx:
-                    filler = [1 + i % (model.n_vocab - 1) for i in range(args.depth)]
-                    ctx.decode(filler, logits="none")
-                    ctx.synchronize()  # llama_decode returns once the fill's last ubatch is queued, not computed
+                with filled_context(model, args.depth, 2 + args.steps, args, frac, headinfer_stream=stream) as ctx:
                     # the first steps after the fill: a new graph (e.g. CUDA graphs captured again), not in the medians
                     _, first = time_steps(ctx, 2)
                     host_steps, total_steps = time_steps(ctx, args.steps)

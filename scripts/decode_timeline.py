@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pyllama_headinfer.llama import Context, Model  # noqa: E402
+from pyllama_headinfer.llama import Model  # noqa: E402
 
 MARKER_KERNEL = "FillFunctor"  # PyTorch's fill_, the step marker (main)
 
@@ -129,7 +129,7 @@ def detail(events: list[dict], step: int, edge_ms: float) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gpu_check import add_attn_arguments
+    from gpu_check import add_attn_arguments, filled_context
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", "-m", required=True)
@@ -153,10 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     # llama.cpp's prefetch of the next step included, and would hold the host back where llama_synchronize does not
     marker_stream = torch.cuda.Stream()
     with Model(args.model, n_gpu_layers=99) as model, \
-            Context(model, n_ctx=args.depth + args.steps + 256, n_batch=2048, n_ubatch=2048, flash_attn=True,
-                    type_k=args.type, type_v=args.type, headinfer_gpu_heads_frac=args.frac,
-                    headinfer_attn=args.attn, headinfer_attn_chunk=args.attn_chunk) as ctx:
-        ctx.decode([1 + i % (model.n_vocab - 1) for i in range(args.depth)], logits="none")
+            filled_context(model, args.depth, 3 + args.steps, args, args.frac) as ctx:
         for i in range(3):
             ctx.decode([1 + i]); ctx.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

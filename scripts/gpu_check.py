@@ -177,6 +177,19 @@ def add_attn_arguments(ap: argparse.ArgumentParser) -> None:
                     help="KV cells per chunk with --attn chunked (headinfer_attn_chunk; default 0: llama.cpp's)")
 
 
+@contextlib.contextmanager
+def filled_context(model: Model, depth: int, n_steps: int, args: argparse.Namespace, frac: float, **params):
+    """A context of depth + n_steps + 256 cells (n_ubatch 2048, flash attention, KV type args.type, attention
+    args.attn / args.attn_chunk, headinfer_gpu_heads_frac frac, any other ContextParams in params) filled with depth
+    tokens, the fill computed: the speed scripts' (decode_host_time.py, decode_timeline.py) starting point."""
+    with Context(model, n_ctx=depth + n_steps + 256, n_batch=2048, n_ubatch=2048, flash_attn=True,
+                 type_k=args.type, type_v=args.type, headinfer_gpu_heads_frac=frac, headinfer_attn=args.attn,
+                 headinfer_attn_chunk=args.attn_chunk, **params) as ctx:
+        ctx.decode([1 + i % (model.n_vocab - 1) for i in range(depth)], logits="none")
+        ctx.synchronize()  # llama_decode returns once the fill's last ubatch is queued, not computed
+        yield ctx
+
+
 def add_headinfer_arguments(ap: argparse.ArgumentParser) -> None:
     """--attn, --attn-chunk and --stream (ContextParams.headinfer_attn / _attn_chunk / _stream); also used by
     graph_splits.py."""
