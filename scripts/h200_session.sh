@@ -91,6 +91,18 @@ run_env() {  # the environment of one run of a comparison, by its name: variant*
     esac
 }
 
+pack_raw() {  # archive, then files or directories in OUTDIR: packed into OUTDIR/archive (those that exist), then removed
+             # (the device returns a few files per call)
+    local archive=$1 f
+    shift
+    local present=()
+    for f in "$@"; do
+        [ -e "$out/$f" ] && present+=("$f")
+    done
+    [ ${#present[@]} -gt 0 ] && tar czf "$out/$archive" -C "$out" "${present[@]}" && \
+        for f in "${present[@]}"; do rm -rf "${out:?}/$f"; done
+}
+
 bench_model() {  # the 8B-shaped benchmark model (random weights; scripts/make_bench_model.py), made once per machine
     [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"
 }
@@ -194,7 +206,7 @@ bench)
     python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
     python3 scripts/shared_prefix_bench.py --model "$model" --depth 32768 --n 1,2,4,8 --fracs 1,0.5 --ngl 99 \
         > "$out/shared_prefix.md" 2>> "$out/bench.err"
-    tar czf "$out/bench_json.tgz" -C "$out" json && rm -rf "$out/json"
+    pack_raw "bench_json.tgz" json
     ;;
 stream)
     bench_model > /dev/null
@@ -205,7 +217,7 @@ stream)
     { echo "== streaming off"; python3 scripts/graph_splits.py --stream off --model "$model" --ctx 131072 --fracs 1,0.5; } >> "$out/splits.txt" 2>&1
     lb dec_128k -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
     lb fill_128k -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -p 131072 -n 0 -r 1 -ub 2048,8192
-    tar czf "$out/stream_json.tgz" -C "$out" json && rm -rf "$out/json"
+    pack_raw "stream_json.tgz" json
     ;;
 serve)
     # issue 14.6: the build's llama-server (build part, --tools) driven by scripts/server_bench.py
@@ -260,8 +272,7 @@ streams)
     echo "load exit $?" >> "$out/streams.err"
     lb dec_128k_parts --headinfer-attn parts -ctk f16 -ctv f16 -hgf 0.5 -d 131072 -p 0 -n 16 -r 1 -ub 2048
     # the device tool brings back 8 files: the tables stay, the rest is packed
-    tar czf "$out/raw.tgz" -C "$out" json server.log server_load.json bench.err streams.err 2>/dev/null
-    rm -rf "$out/json" "$out/server.log" "$out/server_load.json" "$out/bench.err" "$out/streams.err"
+    pack_raw "raw.tgz" json server.log server_load.json bench.err streams.err
     ;;
 state)
     # state I/O under the split: exactness on the device (fusion off), then one slot of the 8B shape holding 32K
@@ -289,8 +300,7 @@ pin)
     mkdir -p "$out/json"
     lb dec_32k -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 32768 -p 0 -n 32 -r 1
     python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
-    tar czf "$out/raw.tgz" -C "$out" json bench.err pin.err 2>/dev/null
-    rm -rf "$out/json" "$out/bench.err" "$out/pin.err"
+    pack_raw "raw.tgz" json bench.err pin.err
     ;;
 params)
     # issue 29.3/29.8: streaming is opt-in (llama_context_params.headinfer_stream), the per-part attention a parameter
@@ -306,8 +316,7 @@ params)
           tl python3 scripts/graph_splits.py --stream $stream --model "$model" --ctx 32768 --fracs 1,0.5
       done; } > "$out/splits.txt" 2>> "$out/params.err"
     python3 scripts/speed_model_check.py --model "$model" "$out"/json/dec_32k.json > "$out/speed_model.md" 2>&1
-    tar czf "$out/raw.tgz" -C "$out" json bench.err params.err 2>/dev/null
-    rm -rf "$out/json" "$out/bench.err" "$out/params.err"
+    pack_raw "raw.tgz" json bench.err params.err
     ;;
 slots)
     # per-slot streams far from full (4 slots of 32K holding ~8K each): patch 0018 streams the cells in use of each
@@ -324,8 +333,7 @@ slots)
     echo "load exit $?" >> "$out/slots.err"
     mkdir -p "$out/json"
     lb dec_32k_r3 -ctk f16 -ctv f16 -hgf 1,0.75,0.5 -d 32768 -p 0 -n 32 -r 3
-    tar czf "$out/raw.tgz" -C "$out" json slots_server.log slots_load.json bench.err slots.err 2>/dev/null
-    rm -rf "$out/json" "$out/slots_server.log" "$out/slots_load.json" "$out/bench.err" "$out/slots.err"
+    pack_raw "raw.tgz" json slots_server.log slots_load.json bench.err slots.err
     ;;
 writeback)
     # issue 29.1: the host stores of each layer written back from the device (patches 0023, 0024): exactness with
@@ -342,8 +350,7 @@ writeback)
         > "$out/host_time.md" 2>> "$out/wb.err"
     lb dec_128k -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
     python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
-    tar czf "$out/raw.tgz" -C "$out" json bench.err wb.err 2>/dev/null
-    rm -rf "$out/json" "$out/bench.err" "$out/wb.err"
+    pack_raw "raw.tgz" json bench.err wb.err
     ;;
 hygiene)
     # issue 29 items 2, 6 and 9 (the cut at the first read of host memory, the split layers' nodes kept in the memory
@@ -368,8 +375,7 @@ table)
         > "$out/splits.txt" 2>> "$out/table.err"
     lb dec_128k -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
     python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
-    tar czf "$out/raw.tgz" -C "$out" json bench.err table.err 2>/dev/null
-    rm -rf "$out/json" "$out/bench.err" "$out/table.err"
+    pack_raw "raw.tgz" json bench.err table.err
     ;;
 lse)
     # issue 30 on CUDA (ggml_flash_attn_ext_lse): the op against the CPU; chunked mode bit-identical across fractions
@@ -387,8 +393,7 @@ lse)
     lb fill_8k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 1,0.25 -p 8192 -n 0 -r 1 -ub 2048
     lb dec_128k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
     python3 scripts/speed_model_check.py --model "$model" "$out"/json/*.json > "$out/speed_model.md" 2>&1
-    tar czf "$out/raw.tgz" -C "$out" json bench.err lse.err 2>/dev/null
-    rm -rf "$out/json" "$out/bench.err" "$out/lse.err"
+    pack_raw "raw.tgz" json bench.err lse.err
     ;;
 lse128)
     # issue 30 at 128K: test-backend-ops for the log-sum-exp attention, then llama-batched-bench (one fill of the
@@ -405,8 +410,7 @@ lse128)
         bb "${HI_BB_DEPTH:-131072}" --headinfer-attn "${attn%/*}" -hgf "${cfg#*:}" \
             $([ "$attn" = "${attn%/*}" ] || echo --headinfer-attn-chunk "${attn#*/}")
     done
-    tar czf "$out/raw-$(date +%s).tgz" -C "$out" lse.err bb.err 2>/dev/null
-    rm -f "$out/lse.err" "$out/bb.err"
+    pack_raw "raw-$(date +%s).tgz" lse.err bb.err
     ;;
 lsebuf)
     # issue 30's buffer table: compute buffers at n_ubatch 2048 from 8K to 256K, chunked and joined
@@ -423,8 +427,7 @@ quick29)
     bench_model > "$out/quick29.err" 2>&1
     mkdir -p "$out/json"
     lb dec_32k_f075 -ctk f16 -ctv f16 -hgf 1,0.75 -d 32768 -p 0 -n 32 -r "${HI_REPS:-3}"  # HI_REPS: fewer when short of time
-    tar czf "$out/raw-quick29.tgz" -C "$out" json bench.err quick29.err 2>/dev/null
-    rm -rf "$out/json" "$out/bench.err" "$out/quick29.err"
+    pack_raw "raw-quick29.tgz" json bench.err quick29.err
     ;;
 sched)
     # the series' scheduler test (ggml only, compiled against the build's libraries as tests/test_multi_device.py
@@ -440,8 +443,7 @@ sched)
     if [ "${HI_SCHED_128K:-1}" = 1 ]; then
         lb dec_128k_r2 -ctk f16 -ctv f16 -hgf 1,0.25 -d 131072 -p 0 -n 16 -r 2 -ub 2048
     fi
-    tar czf "$out/raw.tgz" -C "$out" json bench.err sched.err 2>/dev/null
-    rm -rf "$out/json" "$out/bench.err" "$out/sched.err"
+    pack_raw "raw.tgz" json bench.err sched.err
     ;;
 issue29)
     # issue 29's whole check in one call: the machine's copy rate (before and after), the scheduler test and
@@ -458,16 +460,14 @@ issue29)
       tl python3 scripts/graph_splits.py --model "$model" --ubatch 2048 --ctx 8192,32768,131072 --fracs 1,0.5,0.25; } \
         > "$out/splits.txt" 2>> "$out/issue29.err"
     { echo "== after the table"; tl python3 scripts/h2d_bandwidth.py; } >> "$out/h2d.txt" 2>&1
-    tar czf "$out/raw-issue29.tgz" -C "$out" json bench.err issue29.err 2>/dev/null
-    rm -rf "$out/json" "$out/bench.err" "$out/issue29.err"
+    pack_raw "raw-issue29.tgz" json bench.err issue29.err
     ;;
 row128)
     # issue 29's 128K row at every fraction (-r 1, tg16, -ub 2048; ~1.5 min)
     bench_model > "$out/row128.err" 2>&1
     mkdir -p "$out/json"
     lb dec_128k_r1 -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 131072 -p 0 -n 16 -r 1 -ub 2048
-    tar czf "$out/raw-row128.tgz" -C "$out" json bench.err row128.err 2>/dev/null
-    rm -rf "$out/json" "$out/bench.err" "$out/row128.err"
+    pack_raw "raw-row128.tgz" json bench.err row128.err
     ;;
 variant)
     # this build against another libggml-base (HI_VARIANT_LIB: a directory holding libggml-base.so.0 of the same pin,
@@ -482,8 +482,7 @@ variant)
             --model "$model" --depth 32768 --fracs 0.75 --stream gpu; } >> "$out/host_time.md" 2>> "$out/variant.err"
     done
     tl python3 scripts/copy_queue_wait.py > "$out/copy_queue_wait.txt" 2>&1
-    tar czf "$out/raw-variant.tgz" -C "$out" json bench.err variant.err 2>/dev/null
-    rm -rf "$out/json" "$out/bench.err" "$out/variant.err"
+    pack_raw "raw-variant.tgz" json bench.err variant.err
     ;;
 timeline)
     # the copy engine's busy and idle time per decoding step (scripts/decode_timeline.py, PyTorch's CUDA trace):
@@ -514,8 +513,7 @@ ahead)
         LB_ENV=$(run_env $which) lb "dec_32k_$which" -ctk f16 -ctv f16 -hgf 1,0.75 \
             -d 32768 -p 0 -n 32 -r 2
     done
-    tar czf "$out/raw-ahead.tgz" -C "$out" json bench.err ahead.err 2>/dev/null
-    rm -rf "$out/json" "$out/bench.err" "$out/ahead.err"
+    pack_raw "raw-ahead.tgz" json bench.err ahead.err
     ;;
 slots3)
     # patch 0042's third staging slot against two slots (GGML_SCHED_STREAM_SLOTS=2, the same build) in one run: the
@@ -537,8 +535,7 @@ slots3)
         { echo "== $which slots"; tl env $which_env python3 scripts/decode_timeline.py --model "$model" \
             --depth 32768 --frac 0.75 --detail 3 --edge-ms 1.2; } >> "$out/timeline.md" 2>> "$out/slots3.err"
     done
-    tar czf "$out/raw-slots3.tgz" -C "$out" json bench.err slots3.err 2>/dev/null
-    rm -rf "$out/json" "$out/bench.err" "$out/slots3.err"
+    pack_raw "raw-slots3.tgz" json bench.err slots3.err
     ;;
 first128)
     # chunked 128K f 0.25: llama-bench's tg16 with three staging slots for its chunks (the default) and two
@@ -550,8 +547,7 @@ first128)
             -hgf 0.25 --headinfer-attn chunked -d 131072 -p 0 -n 16 -r 1 -ub 2048
     done
     tl python3 scripts/h2d_bandwidth.py >> "$out/bench.md" 2>> "$out/first128.err"
-    tar czf "$out/raw-first128.tgz" -C "$out" json bench.err first128.err 2>/dev/null
-    rm -rf "$out/json" "$out/bench.err" "$out/first128.err"
+    pack_raw "raw-first128.tgz" json bench.err first128.err
     ;;
 chunked128)
     # chunked attention at 128K f 0.25: the copy engine per step (decode_timeline.py), then decode in llama-bench,
@@ -565,7 +561,6 @@ chunked128)
     if [ -n "${HI_VARIANT_LIB:-}" ]; then
         LB_ENV=$(variant_env) lb dec_128k_chunked_variant "${args[@]}"
     fi
-    tar czf "$out/raw-chunked128.tgz" -C "$out" json bench.err chunked128.err 2>/dev/null
-    rm -rf "$out/json" "$out/bench.err" "$out/chunked128.err"
+    pack_raw "raw-chunked128.tgz" json bench.err chunked128.err
     ;;
 esac
