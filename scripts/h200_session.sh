@@ -24,6 +24,7 @@
 #   scripts/h200_session.sh OUTDIR slots3   # three staging slots against two (GGML_SCHED_STREAM_SLOTS=2) in one run: test-backend-sched, exactness, 32K, timeline (~6 min)
 #   scripts/h200_session.sh OUTDIR lse128   # test-backend-ops, then fill + decode at 128K (HI_BB_DEPTH) in llama-batched-bench, chunked and joined (~6 min)
 #   scripts/h200_session.sh OUTDIR lsebuf   # chunked and joined compute buffers at n_ubatch 2048, 8K-256K (~3 min)
+#   scripts/h200_session.sh OUTDIR issue30  # issue 30's open figures: chunked 32K (bench, trace), 256K q8_0 f 0.125, copy rate (~7 min)
 #   scripts/h200_session.sh OUTDIR issue29  # issue 29's whole check: copy rate, test-backend-sched, exactness, table 8K-128K, buffers (~9 min)
 #   scripts/h200_session.sh OUTDIR table    # issue 29's decode table (8K/32K -r 2, 128K) and compute buffers at n_ubatch 2048 (~5 min)
 #
@@ -461,6 +462,21 @@ issue29)
         > "$out/splits.txt" 2>> "$out/issue29.err"
     { echo "== after the table"; tl python3 scripts/h2d_bandwidth.py; } >> "$out/h2d.txt" 2>&1
     pack_raw "raw-issue29.tgz" json bench.err issue29.err
+    ;;
+issue30)
+    # issue 30's open figures in one call (~7 min): the copy rate before and after; chunked 32K (llama-bench at three
+    # fractions, and the copy engine's trace at f 0.25: what idles it); 256K q8_0 f 0.125 chunked (fill, decode, buffer,
+    # the step times from the verbose log)
+    tl python3 scripts/h2d_bandwidth.py > "$out/h2d.txt" 2>&1
+    bench_model > "$out/issue30.err" 2>&1
+    mkdir -p "$out/json"
+    lb dec_32k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 32768 -p 0 -n 32 -r 2
+    tl python3 scripts/decode_timeline.py --model "$model" --depth 32768 --frac 0.25 --attn chunked --steps 4 \
+        --detail 1 --edge-ms 0.5 > "$out/timeline.md" 2>> "$out/issue30.err"
+    HI_BB_KV=q8_0 bb 262144 --headinfer-attn chunked -hgf 0.125
+    { echo "== log_step_times.py bb.err"; python3 scripts/log_step_times.py "$out/bb.err"; } >> "$out/bb.md" 2>&1
+    { echo "== after"; tl python3 scripts/h2d_bandwidth.py; } >> "$out/h2d.txt" 2>&1
+    pack_raw "raw-issue30.tgz" json bench.err bb.err issue30.err
     ;;
 row128)
     # issue 29's 128K row at every fraction (-r 1, tg16, -ub 2048; ~1.5 min)
