@@ -432,6 +432,60 @@ def test_host_heads_are_copied_two_layers_ahead_in_three_small_slots(rpc_build, 
             "the next one at its end") in stdout
 
 
+# decodes one token after a short fill of an 8-layer model whose layers are split over two RPC devices (layer split
+# mode: the first half on RPC0, the rest on RPC1) and prints what llama.cpp logged meanwhile
+TWO_DEVICE_DECODE_CHILD = r"""
+import sys
+sys.path.insert(0, "scripts")
+from gpu_check import rpc_servers
+from pyllama_headinfer.llama import Context, Model, rpc_add_server
+from pyllama_headinfer.runtime.log import capture_log
+with rpc_servers(2) as endpoints, \
+        Model(sys.argv[1], n_gpu_layers=99, devices=[d for e in endpoints for d in rpc_add_server(e)]) as model:
+    with Context(model, n_ctx=1024, flash_attn=True, n_batch=64, headinfer_gpu_heads_frac=0.5,
+                 headinfer_stream="any") as ctx:
+        ctx.decode(list(range(10, 50)))
+        with capture_log() as log:
+            ctx.decode([7])
+print("".join(text for _, text in log))
+"""
+
+
+def test_host_heads_of_two_devices_share_one_chain_of_slots(rpc_build, tmp_path):
+    """Layers split over two devices: each device stages its split layers' host heads in slots of its own, but the
+    copies run ahead by positions in one chain of the streamed splits of both devices (patch 0042), so every device gets
+    the same number of slots (three here: small slots) and its slots are taken in turn by its own layers; a copy for a
+    layer of the other device stays at the split two positions before it (patch 0043 moves only the first copies of a
+    device's own chain to its first split); and the next step's prefetch is the first device's, from its last split.
+    The exactness of the same setup is test_layer_split_over_two_devices_is_bit_exact's."""
+    from testing_models import SPECS, with_layers, write_model
+
+    model = write_model(with_layers(SPECS["llama-gqa"], 8), tmp_path / "llama-gqa-8l.gguf")
+    stdout = run_split_child(rpc_build, TWO_DEVICE_DECODE_CHILD, str(model), sched_debug="2")
+    # each server's device is its RPC0: the backends differ by endpoint ("RPC0[127.0.0.1:PORT]")
+    backends = re.findall(r"## SPLIT #\d+: (\S+) #", stdout)
+    streamed = streamed_splits(stdout)
+    chain = [split for split, *_ in streamed]
+    assert len(chain) == 8, stdout
+    devices = [backends[split] for split in chain]
+    # the first layers on one device, the others on the other one
+    assert devices[0].startswith("RPC") and len(set(devices)) == 2 and devices == sorted(devices, key=devices.index), \
+        stdout
+    assert {n for *_, n, _ in streamed} == {3}, stdout
+    for device in set(devices):
+        slots = [slot for (split, _, slot, _, _), d in zip(streamed, devices) if d == device]
+        assert slots == [k % 3 for k in range(len(slots))], (device, stdout)
+
+    starts = dict((int(a), int(b)) for a, b in re.findall(r"split #(\d+) starts the copies of split #(\d+)", stdout))
+    first_device_split = backends.index(devices[0])
+    expected = {first_device_split: chain[2]} if devices[2] == devices[0] else {chain[0]: chain[2]}
+    expected.update({chain[k]: chain[k + 2] for k in range(1, len(chain) - 2)})
+    assert starts == expected, stdout
+    last_of_first = max(split for split, d in zip(chain, devices) if d == devices[0])
+    assert re.search(rf"the next computation's split #{chain[0]} prefetched at the (start|end) of split "
+                     rf"#{last_of_first}", stdout), stdout
+
+
 def test_index_views_are_copied_at_the_first_device_split(rpc_build, gguf_models):
     """With one KV stream per sequence, every split layer reads the ubatch's cell indices through views of the index
     inputs. Views of graph inputs are copied when the device's first split starts, as the inputs themselves (patch
