@@ -131,9 +131,14 @@ bb() {  # depth, then flags: llama-batched-bench fills depth tokens at n_ubatch 
     grep "I sched_reserve: *CUDA0 compute buffer size" "$out/bb.err" | tail -1 >> "$out/bb.md"
 }
 
-exactness_streamed_and_not() {  # gpu_check with fusion off, streamed (the default) and not, into gpu_check.txt
-    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
+exactness_fusion_off() {  # gpu_check with CUDA fusion off (and any further gpu_check arguments), its time and exit
+                          # status, into gpu_check.txt
+    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion "$@"; } > "$out/gpu_check.txt" 2>&1
     echo "gpu_check exit $?" >> "$out/gpu_check.txt"
+}
+
+exactness_streamed_and_not() {  # gpu_check with fusion off, streamed (the default) and not, into gpu_check.txt
+    exactness_fusion_off
     { echo "== --stream off"; tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --stream off \
           --types f16 --fracs 0.5 2>&1 | tail -3; } >> "$out/gpu_check.txt"
 }
@@ -180,10 +185,7 @@ build)  # HI_BUILD_TESTS=0: the library and tools only (no test-backend-ops etc.
     fi
     ;;
 checks)
-    export GGML_CUDA_DISABLE_FUSION=1
-    { time python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
-    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
-    unset GGML_CUDA_DISABLE_FUSION
+    exactness_fusion_off
     for op in SET_ROWS CONCAT CPY; do
         "$bdir/bin/test-backend-ops" -o "$op" -b CUDA0 2>&1 | grep -E "OK|FAIL|passed|Backend|tests" | tail -4
     done > "$out/test_backend_ops.txt" 2>&1
@@ -278,8 +280,7 @@ streams)
 state)
     # state I/O under the split: exactness on the device (fusion off), then one slot of the 8B shape holding 32K
     # tokens saved and restored through llama-server at frac 1 / 0.5 / 0.25 (slot file in /dev/shm: no disk)
-    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
-    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
+    exactness_fusion_off
     bench_model > "$out/state.err" 2>&1
     { time tl python3 scripts/server_bench.py save --model "$model" --frac 1,0.5,0.25 --prompt-tokens 32768 \
           --repeat 3 --save-dir /dev/shm --json "$out/state_save.json" --server "$bdir/bin/llama-server" --ngl 99 \
@@ -289,8 +290,7 @@ state)
 pin)
     # a pin's GPU checks (issue 27: a second pin becomes the default only after these pass): exactness with fusion
     # off, the backend ops the series touches, the K-shift regression test, and decode at 32K against the link
-    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
-    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
+    exactness_fusion_off
     for op in SET_ROWS CONCAT CPY GET_ROWS; do
         echo "== test-backend-ops -o $op -b CUDA0"
         tl "$bdir/bin/test-backend-ops" -o "$op" -b CUDA0 2>&1 | grep -E "FAIL|passed|Backend" | tail -3
@@ -383,9 +383,7 @@ lse)
     # with fusion off; decode at 32K, the difference to the joined heads at 32K over 256 steps, fill, 128K decode
     # (the buffers: part lsebuf; a call of 585 s does not hold both after a build)
     flash_attn_test_backend_ops
-    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --attn chunked --attn-chunk 256; } \
-        > "$out/gpu_check.txt" 2>&1
-    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
+    exactness_fusion_off --attn chunked --attn-chunk 256
     bench_model > "$out/lse.err" 2>&1
     mkdir -p "$out/json"
     lb dec_32k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 32768 -p 0 -n 32 -r 1
@@ -451,8 +449,7 @@ issue29)
     # exactness with fusion off, the decode table at 8K/32K (-r 3) and 128K (every fraction), the compute buffers
     tl python3 scripts/h2d_bandwidth.py > "$out/h2d.txt" 2>&1
     scheduler_test
-    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
-    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
+    exactness_fusion_off
     bench_model > "$out/issue29.err" 2>&1
     mkdir -p "$out/json"
     lb dec_8k_32k_r3 -ctk f16 -ctv f16 -hgf 1,0.75,0.5,0.25 -d 8192,32768 -p 0 -n 32 -r "${HI_REPS:-3}"
@@ -536,8 +533,7 @@ slots3)
     # scheduler test and exactness with fusion off (streamed), issue 29's 32K row alternately with three and two
     # slots, the host time per step, the copy engine at the step boundary (32K f 0.75) with each
     scheduler_test
-    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check.txt" 2>&1
-    echo "gpu_check exit $?" >> "$out/gpu_check.txt"
+    exactness_fusion_off
     bench_model > "$out/slots3.err" 2>&1
     mkdir -p "$out/json"
     for which in three two three2 two2; do
