@@ -26,6 +26,7 @@
 #   scripts/h200_session.sh OUTDIR lsebuf   # chunked and joined compute buffers at n_ubatch 2048, 8K-256K (~3 min)
 #   scripts/h200_session.sh OUTDIR issue30  # issue 30's open figures: chunked 32K (bench, trace), 256K q8_0 f 0.125, copy rate (~7 min)
 #   scripts/h200_session.sh OUTDIR issue29  # issue 29's whole check: copy rate, test-backend-sched, exactness, table 8K-128K, buffers (~9 min)
+#   scripts/h200_session.sh OUTDIR chunks   # does a split per chunk cost decode speed: 128K q8_0 f 0.125 in chunks of 8K/16K/32K cells (~6 min)
 #   scripts/h200_session.sh OUTDIR table    # issue 29's decode table (8K/32K -r 2, 128K) and compute buffers at n_ubatch 2048 (~5 min)
 #
 # PYLLAMA_HEADINFER_PIN picks the pin (its build directory is build/cuda-sm90-<pin> for a pin other than the
@@ -474,6 +475,20 @@ issue30)
     { echo "== log_step_times.py bb.err"; python3 scripts/log_step_times.py "$out/bb.err"; } >> "$out/bb.md" 2>&1
     { echo "== after"; tl python3 scripts/h2d_bandwidth.py; } >> "$out/h2d.txt" 2>&1
     pack_raw "raw-issue30.tgz" json bench.err bb.err issue30.err
+    ;;
+chunks)
+    # whether the scheduler's split per chunk costs decode speed (issue 30, item 2): 128K, q8_0 KV at f 0.125 (one
+    # resident head), chunked, in chunks of 8192 cells (the model's default: 514 decode splits), 16384 (258) and 32768
+    # (130; the arena grows with the chunk); the copy rate before and after, for the ceiling (~6 min)
+    tl python3 scripts/h2d_bandwidth.py > "$out/h2d.txt" 2>&1
+    bench_model > "$out/chunks.err" 2>&1
+    mkdir -p "$out/json"
+    for chunk in 8192 16384 32768; do
+        lb "dec_128k_q8_0_chunk$chunk" --headinfer-attn chunked --headinfer-attn-chunk $chunk -ctk q8_0 -ctv q8_0 \
+            -hgf 0.125 -d 131072 -p 0 -n 32 -r 2
+    done
+    { echo "== after"; tl python3 scripts/h2d_bandwidth.py; } >> "$out/h2d.txt" 2>&1
+    pack_raw "raw-chunks.tgz" json bench.err chunks.err
     ;;
 row128)
     # issue 29's 128K row at every fraction (-r 1, tg16, -ub 2048; ~1.5 min)
