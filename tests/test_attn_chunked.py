@@ -107,6 +107,31 @@ def test_chunks_with_several_sequences_and_a_k_shift_are_exact_across_fractions(
             assert np.array_equal(_decode_two_sequences_with_a_shift(llama, model, frac), whole), frac
 
 
+def _fill_the_cache(llama, model, frac: float) -> np.ndarray:
+    """1000 prompt tokens and 24 greedy steps in a cache of 1024 cells, chunks of 256: the last logits of the prompt
+    and every step's."""
+    prompt = model.tokenize("A cache filled to its last cell. " * 150)[:1000]
+    with llama.Context(model, n_ctx=1024, n_batch=512, n_ubatch=512, flash_attn=True, headinfer_gpu_heads_frac=frac,
+                       headinfer_attn="chunked", headinfer_attn_chunk=256) as ctx:
+        ctx.decode(prompt)
+        logits = [ctx.logits(-1)]
+        for _ in range(24):
+            ctx.decode([int(np.argmax(logits[-1]))])
+            logits.append(ctx.logits(-1))
+    return np.stack(logits)
+
+
+def test_chunks_of_a_full_cache_are_exact_across_fractions(llama, gguf_models, monkeypatch):
+    """Once the cells in use reach the cache's end, a split layer's last chunk has no cell after it: its spare row
+    (where a ubatch's rows of other chunks are written) is the cell before it, its own cells one row further
+    (get_split_chunk, set_input_join_idxs). The prompt's second ubatch and every step here attend such a chunk."""
+    monkeypatch.setenv(FORCE_SPLIT, "1")
+    with llama.Model(gguf_models["llama-gqa"]) as model:
+        whole = _fill_the_cache(llama, model, 1.0)
+        for frac in (0.5, 0.25):
+            assert np.array_equal(_fill_the_cache(llama, model, frac), whole), frac
+
+
 def test_a_state_saved_in_one_mode_loads_in_the_other(llama, gguf_models, monkeypatch):
     """The mode changes how the cache is read, not what it holds: a state saved from the joined heads at
     frac 0.5 continues in chunks with the same bits at frac 1.0 and 0.25, and close to the joined heads."""

@@ -294,7 +294,8 @@ def test_chunked_attention_streams_one_chunk_at_a_time_on_rpc_devices(rpc_build,
     row, chunk = 256, 256
     chunked, joined = streamed_bytes(chunked_log), streamed_bytes(joined_log)
     assert chunked and joined, out[-3000:]
-    assert max(n for n, _ in chunked) == 2 * chunk * row, chunked  # K and V of one chunk per split
+    # K and V of one chunk per split, with a neighbouring cell for the rows of other chunks (get_split_chunk)
+    assert max(n for n, _ in chunked) == 2 * (chunk + 1) * row, chunked
     assert max(size for _, size in chunked) <= 2 * (chunk + 1) * row, chunked  # a slot holds one chunk
     assert max(n for n, _ in joined) >= 2 * 3 * chunk * row, joined  # the joined heads stream the layer's 600+ cells
 
@@ -396,7 +397,7 @@ def test_a_million_cell_context_in_chunks_adds_what_64k_cells_add(rpc_build, ggu
     """Issue 30's headline on an RPC device: a context of 2^20 cells in chunked mode (the model's chunks of 32768
     cells, n_ubatch 64). From 64K to 1M cells the device's compute buffer grows by the KQ mask alone, as stock
     llama.cpp's does (n_ubatch x cells x 2 bytes, the same at frac 1.0), and what the split layers add over frac 1.0
-    (their staging slots and joined chunk) stays put: 96.3 MiB at both sizes here, against +2048 MiB at 1M joined
+    (their staging slots and joined chunk) stays put: 80.1 MiB at both sizes here, against +2048 MiB at 1M joined
     (measured once; too large to run here). The logits of a prompt and 4 greedy steps at frac 0.5 are frac 1.0's."""
     out = run_split_child(rpc_build, MILLION_CELLS_CHILD, str(gguf_models["llama-gqa"]))
     mib = {(int(n), float(f)): float(s) for n, f, s in re.findall(r"^buffer (\d+) ([0-9.]+) ([0-9.]+)$", out, flags=re.M)}
@@ -405,9 +406,8 @@ def test_a_million_cell_context_in_chunks_adds_what_64k_cells_add(rpc_build, ggu
     assert abs((mib[1048576, 1.0] - mib[65536, 1.0]) - mask_growth) < 1, (mib, mask_growth)
     added = {n: mib[n, 0.5] - mib[n, 1.0] for n in (65536, 1048576)}
     # llama-gqa's chunk of 32768 cells: three staging slots of its host heads' K and V (2 heads x 64, F16: 16 MiB
-    # each) and the joined chunk (4 heads: 32 MiB) make 80 MiB, what the planner's arena counts; measured: 16 more,
-    # one joined K's size (proportional to the chunk, the same at n_ubatch 16 to 512 and every fraction; not itemised)
-    assert 80 <= added[65536] < 128, added
+    # each) and the joined chunk (4 heads: 32 MiB), what the planner's arena counts (80 MiB), and a few rows
+    assert 80 <= added[65536] < 81, added
     # what grows is the k/v idxs inputs' chunk blocks (chunks x n_ubatch x 8 bytes, K and V): 32 KiB at 1M cells
     assert abs(added[1048576] - added[65536]) < 1, added
     assert re.findall(r"^logits (\d+) (\w+)$", out, flags=re.M) == [("65536", "identical"), ("1048576", "identical")], out
