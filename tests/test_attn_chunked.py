@@ -107,12 +107,12 @@ def test_chunks_with_several_sequences_and_a_k_shift_are_exact_across_fractions(
             assert np.array_equal(_decode_two_sequences_with_a_shift(llama, model, frac), whole), frac
 
 
-def _fill_the_cache(llama, model, frac: float) -> np.ndarray:
+def _fill_the_cache(llama, model, frac: float, kv_type: str) -> np.ndarray:
     """1000 prompt tokens and 24 greedy steps in a cache of 1024 cells, chunks of 256: the last logits of the prompt
     and every step's."""
     prompt = model.tokenize("A cache filled to its last cell. " * 150)[:1000]
     with llama.Context(model, n_ctx=1024, n_batch=512, n_ubatch=512, flash_attn=True, headinfer_gpu_heads_frac=frac,
-                       headinfer_attn="chunked", headinfer_attn_chunk=256) as ctx:
+                       type_k=kv_type, type_v=kv_type, headinfer_attn="chunked", headinfer_attn_chunk=256) as ctx:
         ctx.decode(prompt)
         logits = [ctx.logits(-1)]
         for _ in range(24):
@@ -121,15 +121,21 @@ def _fill_the_cache(llama, model, frac: float) -> np.ndarray:
     return np.stack(logits)
 
 
-def test_chunks_of_a_full_cache_are_exact_across_fractions(llama, gguf_models, monkeypatch):
+@pytest.mark.parametrize("n_head_kv, kv_type", [(4, "f16"), (2, "q8_0")])
+def test_chunks_of_a_full_cache_are_exact_across_fractions(llama, tmp_path, monkeypatch, n_head_kv, kv_type):
     """Once the cells in use reach the cache's end, a split layer's last chunk has no cell after it: its spare row
-    (where a ubatch's rows of other chunks are written) is the cell before it, its own cells one row further
-    (get_split_chunk, set_input_join_idxs). The prompt's second ubatch and every step here attend such a chunk."""
+    (where a ubatch's rows of other chunks are written) is the first of the cells before it, its own cells further
+    (get_split_chunk, set_input_join_idxs). The prompt's second ubatch and every step here attend such a chunk. With
+    two KV heads of 64 in q8_0 a row is 136 bytes: two rows go before the chunk, which stays 16-byte aligned."""
+    from dataclasses import replace
+    from testing_models import SPECS, write_model
+
+    path = write_model(replace(SPECS["llama-gqa"], n_head_kv=n_head_kv), tmp_path / "model.gguf")
     monkeypatch.setenv(FORCE_SPLIT, "1")
-    with llama.Model(gguf_models["llama-gqa"]) as model:
-        whole = _fill_the_cache(llama, model, 1.0)
+    with llama.Model(path) as model:
+        whole = _fill_the_cache(llama, model, 1.0, kv_type)
         for frac in (0.5, 0.25):
-            assert np.array_equal(_fill_the_cache(llama, model, frac), whole), frac
+            assert np.array_equal(_fill_the_cache(llama, model, frac, kv_type), whole), frac
 
 
 def test_a_state_saved_in_one_mode_loads_in_the_other(llama, gguf_models, monkeypatch):
