@@ -14,7 +14,9 @@ logits, bit for bit:
 - state: save the state, generate, restore it into a fresh context, generate again;
 - shift: seq_rm + seq_add (RoPE K-shift), seq_div, then generate;
 - streams: two KV streams (kv_unified = False), seq_cp across them, generate on the copy, then on both
-  streams in one batch, then on the copy alone.
+  streams in one batch, then on the copy alone;
+- full (only when asked, --scenarios full): a prompt of 1000 tokens and 24 greedy steps in a cache of 1024
+  cells, filled to its last cell (with --attn chunked --attn-chunk 256 a split layer's last chunk ends the cache).
 
 Each split run also checks the residency report: the device buffers hold exactly
 g/n_head_kv of the unsplit bytes (each device of its own unsplit share) and the
@@ -122,8 +124,15 @@ def scenario_streams(ctx: Context, prompt: list) -> tuple[list, list]:
     return greedy_steps(ctx, 8, seq_id=1, tokens=tokens, logits=logits)
 
 
-SCENARIOS = ("greedy", "state", "shift", "streams")
+def scenario_full(ctx: Context, prompt: list) -> tuple[list, list]:
+    ctx.decode((prompt * (FULL_N_CTX // len(prompt) + 1))[:FULL_N_CTX - 24])
+    return greedy_steps(ctx, 24)
+
+
+SCENARIOS = ("greedy", "state", "shift", "streams", "full")
+DEFAULT_SCENARIOS = ("greedy", "state", "shift", "streams")
 STREAMS_N_CTX = 1024  # two streams of 512 cells: the scenario uses fewer than 256 of each (the attention's n_kv)
+FULL_N_CTX = 1024
 
 
 class _Messages(logging.Handler):
@@ -204,7 +213,8 @@ def headinfer_params(args: argparse.Namespace) -> dict:
 
 def run(model: Model, scenario: str, frac: float, kv_type: str, prompt: list) -> tuple[list, list, dict, list]:
     def make_ctx() -> Context:
-        return Context(model, n_ctx=STREAMS_N_CTX if scenario == "streams" else 256, n_batch=256, n_ubatch=256,
+        n_ctx = {"streams": STREAMS_N_CTX, "full": FULL_N_CTX}.get(scenario, 256)
+        return Context(model, n_ctx=n_ctx, n_batch=256, n_ubatch=256,
                        flash_attn=True, type_k=kv_type, type_v=kv_type, n_seq_max=2 if scenario == "streams" else 1,
                        kv_unified=False, headinfer_gpu_heads_frac=frac, **HEADINFER)
 
@@ -218,8 +228,10 @@ def run(model: Model, scenario: str, frac: float, kv_type: str, prompt: list) ->
             tokens, logits = scenario_state(ctx, prompt, make_ctx)
         elif scenario == "shift":
             tokens, logits = scenario_shift(ctx, prompt)
-        else:
+        elif scenario == "streams":
             tokens, logits = scenario_streams(ctx, prompt)
+        else:
+            tokens, logits = scenario_full(ctx, prompt)
     return tokens, logits, report, kv_bytes
 
 
@@ -301,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", type=Path, help="directory with the test models (default: write them to a temp dir)")
     ap.add_argument("--fracs", default="0.75,0.5,0.25")
     ap.add_argument("--types", default="f16,q8_0")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
+                    help=f"comma-separated, of {', '.join(SCENARIOS)} (default: %(default)s)")
     ap.add_argument("--no-8b-heads", dest="with_8b_heads", action="store_false",
                     help="skip the model with Llama-3-8B's attention geometry (8 KV heads of 128, 2 layers)")
     ap.add_argument("--devices", default=None,
@@ -317,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
                          "is stored, i.e. in the unsplit graph, and its fused result differs from the unfused one "
                          "(docs/GPU.md); without fusion both graphs run the same kernels")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.scenarios.split(",")) - set(SCENARIOS))
+    if unknown:
+        ap.error(f"unknown scenario(s) {', '.join(unknown)}: choose from {', '.join(SCENARIOS)}")
     HEADINFER.update(headinfer_params(args))
     if args.no_cuda_fusion:
         os.environ["GGML_CUDA_DISABLE_FUSION"] = "1"  # read by ggml-cuda at its first graph, after this

@@ -618,9 +618,13 @@ def test_layer_split_is_bit_exact_without_streaming(rpc_build):
 
 def test_layer_split_is_bit_exact_in_chunks(rpc_build):
     """headinfer_attn="chunked" on two RPC devices (patch 0037 lets them run it): greedy decoding, a state saved and
-    read, a K-shift and two KV streams give frac 1.0's bits in the mode, the host heads streamed chunk by chunk."""
-    run = gpu_check(rpc_build, "--types", "f16,q8_0", "--fracs", "0.5,0.25", "--attn-chunk", "256", attn="chunked")
-    assert run.returncode == 0 and run.stdout.rstrip().endswith("all checks passed"), run.stdout[-3000:] + run.stderr[-2000:]
+    read, a K-shift, two KV streams and a cache filled to its last cell (whose last chunk ends the cache: its spare
+    rows come before it) give frac 1.0's bits in the mode, the host heads streamed chunk by chunk."""
+    run = gpu_check(rpc_build, "--types", "f16,q8_0", "--fracs", "0.5,0.25", "--attn-chunk", "256",
+                    "--scenarios", "greedy,state,shift,streams,full", attn="chunked")
+    out = run.stdout
+    assert run.returncode == 0 and out.rstrip().endswith("all checks passed"), out[-3000:] + run.stderr[-2000:]
+    assert sum(x.startswith("ok ") and " full " in x for x in out.splitlines()) == 3 * 2 * 2, out[-3000:]
 
 
 def test_quantized_weights_stream_bit_exact(rpc_build, gguf_models, tmp_path):
