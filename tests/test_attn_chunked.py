@@ -124,9 +124,9 @@ def _fill_the_cache(llama, model, frac: float, kv_type: str) -> np.ndarray:
 @pytest.mark.parametrize("n_head_kv, kv_type", [(4, "f16"), (2, "q8_0")])
 def test_chunks_of_a_full_cache_are_exact_across_fractions(llama, tmp_path, monkeypatch, n_head_kv, kv_type):
     """Once the cells in use reach the cache's end, a split layer's last chunk has no cell after it: its spare row
-    (where a ubatch's rows of other chunks are written) is the first of the cells before it, its own cells further
-    (get_split_chunk, set_input_join_idxs). The prompt's second ubatch and every step here attend such a chunk. With
-    two KV heads of 64 in q8_0 a row is 136 bytes: two rows go before the chunk, which stays 16-byte aligned."""
+    (where a ubatch's rows of other chunks are written) is the cell before it, its own cells one row further
+    (get_split_chunk, set_input_join_idxs). The prompt's second ubatch and every step here attend such a chunk; in F16
+    with four KV heads of 64 and in q8_0 with two (a row of 136 bytes)."""
     from dataclasses import replace
     from testing_models import SPECS, write_model
 
