@@ -125,14 +125,14 @@ def scenario_streams(ctx: Context, prompt: list) -> tuple[list, list]:
 
 
 def scenario_full(ctx: Context, prompt: list) -> tuple[list, list]:
-    ctx.decode((prompt * (FULL_N_CTX // len(prompt) + 1))[:FULL_N_CTX - 24])
-    return greedy_steps(ctx, 24)
+    ctx.decode((prompt * (FULL_N_CTX // len(prompt) + 1))[:FULL_N_CTX - FULL_N_STEPS])
+    return greedy_steps(ctx, FULL_N_STEPS)
 
 
-SCENARIOS = ("greedy", "state", "shift", "streams", "full")
 DEFAULT_SCENARIOS = ("greedy", "state", "shift", "streams")
+SCENARIOS = DEFAULT_SCENARIOS + ("full",)
 STREAMS_N_CTX = 1024  # two streams of 512 cells: the scenario uses fewer than 256 of each (the attention's n_kv)
-FULL_N_CTX = 1024
+FULL_N_CTX, FULL_N_STEPS = 1024, 24  # the prompt fills all cells but the steps'
 
 
 class _Messages(logging.Handler):

@@ -105,6 +105,11 @@ pack_raw() {  # archive, then files or directories in OUTDIR: packed into OUTDIR
         for f in "${present[@]}"; do rm -rf "${out:?}/$f"; done
 }
 
+copy_rate() {  # a label, then the machine's host-to-device copy rate (h2d_bandwidth.py) under it in h2d.txt: measured
+               # before and after a part's benchmarks, whose ceiling it gives
+    { echo "== $1"; tl python3 scripts/h2d_bandwidth.py; } >> "$out/h2d.txt" 2>&1
+}
+
 bench_model() {  # the 8B-shaped benchmark model (random weights; scripts/make_bench_model.py), made once per machine
     [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"
 }
@@ -448,7 +453,7 @@ sched)
 issue29)
     # issue 29's whole check in one call: the machine's copy rate (before and after), the scheduler test and
     # exactness with fusion off, the decode table at 8K/32K (-r 3) and 128K (every fraction), the compute buffers
-    tl python3 scripts/h2d_bandwidth.py > "$out/h2d.txt" 2>&1
+    copy_rate before
     scheduler_test
     exactness_fusion_off
     bench_model > "$out/issue29.err" 2>&1
@@ -458,15 +463,15 @@ issue29)
     { echo "== python3 scripts/graph_splits.py --ubatch 2048 --ctx 8192,32768,131072 --fracs 1,0.5,0.25"
       tl python3 scripts/graph_splits.py --model "$model" --ubatch 2048 --ctx 8192,32768,131072 --fracs 1,0.5,0.25; } \
         > "$out/splits.txt" 2>> "$out/issue29.err"
-    { echo "== after the table"; tl python3 scripts/h2d_bandwidth.py; } >> "$out/h2d.txt" 2>&1
+    copy_rate "after the table"
     pack_raw "raw-issue29.tgz" json bench.err issue29.err
     ;;
 issue30)
     # issue 30's open figures in one call (~8 min): exactness in chunks with fusion off (a full cache too); the copy rate
     # before and after; chunked 32K (llama-bench at three fractions, and the copy engine's trace at f 0.25: what idles it);
     # 256K q8_0 f 0.125 chunked (fill, decode, buffer, the step times from the verbose log)
-    tl python3 scripts/h2d_bandwidth.py > "$out/h2d.txt" 2>&1
-    # chunks of 256 cells, so that the `full` scenario's last chunk ends the cache (its spare rows before it)
+    copy_rate before
+    # chunks of 256 cells, so that the `full` scenario's last chunk ends the cache (its spare row before it)
     exactness_fusion_off --attn chunked --attn-chunk 256 --scenarios greedy,state,shift,streams,full
     bench_model > "$out/issue30.err" 2>&1
     mkdir -p "$out/json"
@@ -475,21 +480,21 @@ issue30)
         --detail 1 --edge-ms 0.5 > "$out/timeline.md" 2>> "$out/issue30.err"
     HI_BB_KV=q8_0 bb 262144 --headinfer-attn chunked -hgf 0.125
     { echo "== log_step_times.py bb.err"; python3 scripts/log_step_times.py "$out/bb.err"; } >> "$out/bb.md" 2>&1
-    { echo "== after"; tl python3 scripts/h2d_bandwidth.py; } >> "$out/h2d.txt" 2>&1
+    copy_rate after
     pack_raw "raw-issue30.tgz" json bench.err bb.err issue30.err
     ;;
 chunks)
     # whether the scheduler's split per chunk costs decode speed (issue 30, item 2): 128K, q8_0 KV at f 0.125 (one
     # resident head), chunked, in chunks of 8192 cells (the model's default: 514 decode splits), 16384 (258) and 32768
     # (130; the arena grows with the chunk); the copy rate before and after, for the ceiling (~6 min)
-    tl python3 scripts/h2d_bandwidth.py > "$out/h2d.txt" 2>&1
+    copy_rate before
     bench_model > "$out/chunks.err" 2>&1
     mkdir -p "$out/json"
     for chunk in 8192 16384 32768; do
         lb "dec_128k_q8_0_chunk$chunk" --headinfer-attn chunked --headinfer-attn-chunk $chunk -ctk q8_0 -ctv q8_0 \
             -hgf 0.125 -d 131072 -p 0 -n 32 -r 2
     done
-    { echo "== after"; tl python3 scripts/h2d_bandwidth.py; } >> "$out/h2d.txt" 2>&1
+    copy_rate after
     pack_raw "raw-chunks.tgz" json bench.err chunks.err
     ;;
 row128)

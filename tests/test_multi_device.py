@@ -372,7 +372,7 @@ MILLION_CELLS_CHILD = r"""
 import re, sys
 import numpy as np
 sys.path.insert(0, "scripts")
-from gpu_check import rpc_servers
+from gpu_check import greedy_steps, rpc_servers
 from pyllama_headinfer.llama import Context, Model, rpc_add_server
 from pyllama_headinfer.runtime.log import capture_log
 prompt = [(7*i) % 500 + 5 for i in range(300)]
@@ -384,10 +384,7 @@ with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rp
                                                headinfer_gpu_heads_frac=frac, headinfer_stream="any",
                                                headinfer_attn="chunked") as ctx:
                 ctx.decode(prompt)
-                steps[frac] = []
-                for _ in range(4):
-                    steps[frac].append(ctx.logits())
-                    ctx.decode([int(np.argmax(steps[frac][-1]))])
+                _, steps[frac] = greedy_steps(ctx, 4)
             sizes = [float(m.group(1)) for _, text in log
                      for m in [re.search(r"sched_reserve: RPC0\S* compute buffer size = +([0-9.]+) MiB", text)] if m]
             print("buffer", n_ctx, frac, sizes[-1])
@@ -619,7 +616,7 @@ def test_layer_split_is_bit_exact_without_streaming(rpc_build):
 def test_layer_split_is_bit_exact_in_chunks(rpc_build):
     """headinfer_attn="chunked" on two RPC devices (patch 0037 lets them run it): greedy decoding, a state saved and
     read, a K-shift, two KV streams and a cache filled to its last cell (whose last chunk ends the cache: its spare
-    rows come before it) give frac 1.0's bits in the mode, the host heads streamed chunk by chunk."""
+    row comes before it) give frac 1.0's bits in the mode, the host heads streamed chunk by chunk."""
     run = gpu_check(rpc_build, "--types", "f16,q8_0", "--fracs", "0.5,0.25", "--attn-chunk", "256",
                     "--scenarios", "greedy,state,shift,streams,full", attn="chunked")
     out = run.stdout
