@@ -32,11 +32,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pyllama_headinfer.runtime.log import capture_log
+from pyllama_headinfer.runtime.log import capture_log, compute_buffers_mib
 from pyllama_headinfer.llama import Context, Model, rpc_add_server
 
 SPLITS_RE = re.compile(r"graph.*: nodes = (\d+)(?: / (\d+))?, splits = (\d+)(?: / (\d+))?")
-COMPUTE_RE = re.compile(r"(\S+) compute buffer size = +([0-9.]+) MiB")
 
 
 # how the split layers' host heads reach the device and are attended (--stream, --attn): ContextParams' names
@@ -52,7 +51,7 @@ def graph_splits(model: Model, frac: float, n_ctx: int, kv_type: str, n_streams:
                                        headinfer_gpu_heads_frac=frac, **streams, **HEADINFER) as ctx:
         report = ctx.kv_residency() or {"layers": []}
     n_split = sum(1 for x in report["layers"] if x["n_head_resident"] < x["n_head_kv"])
-    compute = {m.group(1): float(m.group(2)) for _, text in log for m in [COMPUTE_RE.search(text)] if m}
+    compute = compute_buffers_mib(log)
     for level, text in log:
         m = SPLITS_RE.search(text)
         if m:

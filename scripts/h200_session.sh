@@ -24,7 +24,7 @@
 #   scripts/h200_session.sh OUTDIR slots3   # three staging slots against two (GGML_SCHED_STREAM_SLOTS=2) in one run: test-backend-sched, exactness, 32K, timeline (~6 min)
 #   scripts/h200_session.sh OUTDIR lse128   # test-backend-ops, then fill + decode at 128K (HI_BB_DEPTH) in llama-batched-bench, chunked and joined (~6 min)
 #   scripts/h200_session.sh OUTDIR lsebuf   # chunked and joined compute buffers at n_ubatch 2048, 8K-256K (~3 min)
-#   scripts/h200_session.sh OUTDIR issue30  # issue 30's open figures: exactness in chunks (a full cache too), chunked 32K (bench, trace), 256K q8_0 f 0.125, copy rate (~8 min)
+#   scripts/h200_session.sh OUTDIR issue30  # issue 30's open figures: exactness in chunks (a full cache too), 256K q8_0 f 0.125 between copy rates, chunked 32K (bench, trace) (~8 min)
 #   scripts/h200_session.sh OUTDIR issue29  # issue 29's whole check: copy rate, test-backend-sched, exactness, table 8K-128K, buffers (~9 min)
 #   scripts/h200_session.sh OUTDIR chunks   # does a split per chunk cost decode speed: 128K q8_0 f 0.125 in chunks of 8K/16K/32K cells (~6 min)
 #   scripts/h200_session.sh OUTDIR table    # issue 29's decode table (8K/32K -r 2, 128K) and compute buffers at n_ubatch 2048 (~5 min)
@@ -467,20 +467,21 @@ issue29)
     pack_raw "raw-issue29.tgz" json bench.err issue29.err
     ;;
 issue30)
-    # issue 30's open figures in one call (~8 min): exactness in chunks with fusion off (a full cache too); the copy rate
-    # before and after; chunked 32K (llama-bench at three fractions, and the copy engine's trace at f 0.25: what idles it);
-    # 256K q8_0 f 0.125 chunked (fill, decode, buffer, the step times from the verbose log)
+    # issue 30's open figures in one call (~8 min), the 256K run first (the one a short call must not lose): exactness
+    # in chunks with fusion off (a full cache too); the copy rate before and after 256K q8_0 f 0.125 chunked (fill,
+    # decode, buffer, the step times from the verbose log); then, as time allows, chunked 32K (llama-bench at three
+    # fractions, and the copy engine's trace at f 0.25: what idles it)
     copy_rate before
     # chunks of 256 cells, so that the `full` scenario's last chunk ends the cache (its spare row before it)
     exactness_fusion_off --attn chunked --attn-chunk 256 --scenarios greedy,state,shift,streams,full
     bench_model > "$out/issue30.err" 2>&1
     mkdir -p "$out/json"
+    HI_BB_KV=q8_0 bb 262144 --headinfer-attn chunked -hgf 0.125
+    { echo "== log_step_times.py bb.err"; python3 scripts/log_step_times.py "$out/bb.err"; } >> "$out/bb.md" 2>&1
+    copy_rate "after 256K"
     lb dec_32k_chunked --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 1,0.5,0.25 -d 32768 -p 0 -n 32 -r 2
     tl python3 scripts/decode_timeline.py --model "$model" --depth 32768 --frac 0.25 --attn chunked --steps 4 \
         --detail 1 --edge-ms 0.5 > "$out/timeline.md" 2>> "$out/issue30.err"
-    HI_BB_KV=q8_0 bb 262144 --headinfer-attn chunked -hgf 0.125
-    { echo "== log_step_times.py bb.err"; python3 scripts/log_step_times.py "$out/bb.err"; } >> "$out/bb.md" 2>&1
-    copy_rate after
     pack_raw "raw-issue30.tgz" json bench.err bb.err issue30.err
     ;;
 chunks)

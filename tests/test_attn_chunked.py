@@ -56,15 +56,14 @@ def test_one_chunk_is_one_attention(built):
 
 def _compute_buffer_mib(llama, model, n_ctx: int, frac: float, **mode) -> float:
     """The CPU compute buffer llama.cpp reserves for a context (its log line), in MiB."""
-    from pyllama_headinfer.runtime.log import capture_log
+    from pyllama_headinfer.runtime.log import capture_log, compute_buffers_mib
 
     with capture_log() as log, llama.Context(model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, flash_attn=True,
                                              headinfer_gpu_heads_frac=frac, **mode):
         pass
-    sizes = [float(re.search(r"compute buffer size = +([0-9.]+) MiB", text).group(1))
-             for _, text in log if "sched_reserve" in text and "compute buffer size" in text]
-    assert sizes, "llama.cpp logged no compute buffer size"
-    return sizes[-1]
+    sizes = compute_buffers_mib(log)
+    assert "CPU" in sizes, f"llama.cpp logged no CPU compute buffer size: {sizes}"
+    return sizes["CPU"]
 
 
 def test_a_split_layer_in_chunks_holds_one_chunk_of_its_heads(llama, gguf_models, monkeypatch):

@@ -332,11 +332,11 @@ def test_chunked_decode_copies_each_chunks_cell_indices_once_not_once_per_layer(
 
 
 BUFFERS_ON_RPC_CHILD = r"""
-import re, sys
+import sys
 sys.path.insert(0, "scripts")
 from gpu_check import rpc_servers
 from pyllama_headinfer.llama import Context, Model, rpc_add_server
-from pyllama_headinfer.runtime.log import capture_log
+from pyllama_headinfer.runtime.log import capture_log, compute_buffers_mib
 with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
     for attn in ("joined", "chunked"):
         for n_ctx in (4096, 16384):
@@ -346,9 +346,8 @@ with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rp
                                                    headinfer_gpu_heads_frac=frac, headinfer_stream="any",
                                                    headinfer_attn=attn, **kw):
                     pass
-                sizes = [float(m.group(1)) for _, text in log
-                         for m in [re.search(r"RPC0\S* compute buffer size = +([0-9.]+) MiB", text)] if m]
-                print(attn, n_ctx, frac, sizes[-1])
+                sizes = compute_buffers_mib(log)
+                print(attn, n_ctx, frac, next(mib for name, mib in sizes.items() if name.startswith("RPC0")))
 """
 
 
@@ -369,12 +368,12 @@ def test_chunked_attention_bounds_the_device_buffer_with_streaming(rpc_build, gg
 
 
 MILLION_CELLS_CHILD = r"""
-import re, sys
+import sys
 import numpy as np
 sys.path.insert(0, "scripts")
 from gpu_check import greedy_steps, rpc_servers
 from pyllama_headinfer.llama import Context, Model, rpc_add_server
-from pyllama_headinfer.runtime.log import capture_log
+from pyllama_headinfer.runtime.log import capture_log, compute_buffers_mib
 prompt = [(7*i) % 500 + 5 for i in range(300)]
 with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
     for n_ctx in (65536, 1048576):
@@ -385,9 +384,8 @@ with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rp
                                                headinfer_attn="chunked") as ctx:
                 ctx.decode(prompt)
                 _, steps[frac] = greedy_steps(ctx, 4)
-            sizes = [float(m.group(1)) for _, text in log
-                     for m in [re.search(r"sched_reserve: RPC0\S* compute buffer size = +([0-9.]+) MiB", text)] if m]
-            print("buffer", n_ctx, frac, sizes[-1])
+            sizes = compute_buffers_mib(log)
+            print("buffer", n_ctx, frac, next(mib for name, mib in sizes.items() if name.startswith("RPC0")))
         print("logits", n_ctx, "identical" if np.array_equal(np.stack(steps[1.0]), np.stack(steps[0.5])) else "differ")
 """
 

@@ -11,6 +11,7 @@ the block, so an exception can quote llama.cpp's reason.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from contextlib import contextmanager
 from typing import Callable, List, Tuple, TypeVar
@@ -20,6 +21,7 @@ logger.addHandler(logging.NullHandler())
 
 LogLines = List[Tuple[int, str]]
 
+COMPUTE_BUFFER_RE = re.compile(r"(\S+) compute buffer size = +([0-9.]+) MiB")  # llama_context::sched_reserve's line
 CAPTURED_ATTR = "pyllama_captured"  # LogRecord attribute: the line was also captured (capture_log)
 T = TypeVar("T")
 
@@ -101,6 +103,13 @@ def log_reason(lines: LogLines, n: int = 3) -> str:
     errs = [t for lvl, t in lines if lvl >= logging.WARNING]
     picked = (errs or [t for _, t in lines])[-n:]
     return "; ".join(picked)
+
+
+def compute_buffers_mib(lines: LogLines) -> dict[str, float]:
+    """{buffer type: MiB} of the compute buffers llama.cpp logged reserving in a captured log (``sched_reserve:
+    CUDA0 compute buffer size = 1034.00 MiB``; an RPC device's name carries its endpoint, ``RPC0[host:port]``).
+    The last reservation of each wins: a context reserves again after its first graphs."""
+    return {m.group(1): float(m.group(2)) for _, text in lines for m in [COMPUTE_BUFFER_RE.search(text)] if m}
 
 
 def checked_call(fn: Callable[..., T], *args, ok: Callable[[T], bool],
