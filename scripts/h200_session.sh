@@ -418,11 +418,12 @@ lse128)
     pack_raw "raw-$(date +%s).tgz" lse.err bb.err
     ;;
 lsebuf)
-    # issue 30's buffer table: compute buffers at n_ubatch 2048 from 8K to 256K, chunked and joined
+    # issue 30's buffer table: compute buffers at n_ubatch 2048 from 8K to 256K (HI_LSEBUF_CTX: fewer), chunked and joined
     bench_model > "$out/lsebuf.err" 2>&1
+    ctxs=${HI_LSEBUF_CTX:-8192,32768,131072,262144}
     for attn in chunked joined; do
-        { echo "== python3 scripts/graph_splits.py --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 --fracs 1,0.5,0.25"
-          tl python3 scripts/graph_splits.py --model "$model" --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 \
+        { echo "== python3 scripts/graph_splits.py --attn $attn --ubatch 2048 --ctx $ctxs --fracs 1,0.5,0.25"
+          tl python3 scripts/graph_splits.py --model "$model" --attn $attn --ubatch 2048 --ctx "$ctxs" \
               --fracs 1,0.5,0.25; } >> "$out/splits.txt" 2>> "$out/lsebuf.err"
     done
     ;;
