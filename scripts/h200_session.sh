@@ -488,13 +488,15 @@ issue30)
 chunks)
     # whether the scheduler's split per chunk costs decode speed (issue 30, item 2): 128K, q8_0 KV at f 0.125 (one
     # resident head), chunked, in chunks of 8192 cells (the model's default: 514 decode splits), 16384 (258) and 32768
-    # (130; the arena grows with the chunk); the copy rate before and after, for the ceiling (~6 min)
+    # (130; the arena grows with the chunk); the copy rate before and after, for the ceiling (~6 min; HI_CHUNKS_DEPTH:
+    # another context, e.g. 65536 for a short call: 258 / 130 / 66 splits)
     copy_rate before
     bench_model > "$out/chunks.err" 2>&1
     mkdir -p "$out/json"
+    depth=${HI_CHUNKS_DEPTH:-131072}
     for chunk in 8192 16384 32768; do
-        lb "dec_128k_q8_0_chunk$chunk" --headinfer-attn chunked --headinfer-attn-chunk $chunk -ctk q8_0 -ctv q8_0 \
-            -hgf 0.125 -d 131072 -p 0 -n 32 -r 2
+        lb "dec_${depth}_q8_0_chunk$chunk" --headinfer-attn chunked --headinfer-attn-chunk $chunk -ctk q8_0 -ctv q8_0 \
+            -hgf 0.125 -d "$depth" -p 0 -n 32 -r 2
     done
     copy_rate after
     pack_raw "raw-chunks.tgz" json bench.err chunks.err
