@@ -26,6 +26,7 @@
 #   scripts/h200_session.sh OUTDIR lsebuf   # chunked and joined compute buffers at n_ubatch 2048, 8K-256K (~3 min)
 #   scripts/h200_session.sh OUTDIR issue30  # issue 30's open figures: exactness in chunks (a full cache too), 256K q8_0 f 0.125 between copy rates, chunked 32K (bench, trace) (~8 min)
 #   scripts/h200_session.sh OUTDIR issue29  # issue 29's whole check: copy rate, test-backend-sched, exactness, table 8K-128K, buffers (~9 min)
+#   scripts/h200_session.sh OUTDIR exact    # exactness with fusion off, chunked (a full cache too) and joined (~30 s)
 #   scripts/h200_session.sh OUTDIR chunks   # does a split per chunk cost decode speed: 128K q8_0 f 0.125 in chunks of 8K/16K/32K cells (~6 min)
 #   scripts/h200_session.sh OUTDIR table    # issue 29's decode table (8K/32K -r 2, 128K) and compute buffers at n_ubatch 2048 (~5 min)
 #
@@ -484,6 +485,12 @@ issue30)
     tl python3 scripts/decode_timeline.py --model "$model" --depth 32768 --frac 0.25 --attn chunked --steps 4 \
         --detail 1 --edge-ms 0.5 > "$out/timeline.md" 2>> "$out/issue30.err"
     pack_raw "raw-issue30.tgz" json bench.err bb.err issue30.err
+    ;;
+exact)
+    # exactness with fusion off, chunked (chunks of 256 cells, a full cache too) then joined, into gpu_check.txt (~30 s)
+    exactness_fusion_off --attn chunked --attn-chunk 256 --scenarios greedy,state,shift,streams,full
+    mv "$out/gpu_check.txt" "$out/gpu_check_chunked.txt"
+    exactness_fusion_off
     ;;
 chunks)
     # whether the scheduler's split per chunk costs decode speed (issue 30, item 2): 128K, q8_0 KV at f 0.125 (one
