@@ -126,7 +126,9 @@ def scenario_streams(ctx: Context, prompt: list) -> tuple[list, list]:
 
 def scenario_full(ctx: Context, prompt: list) -> tuple[list, list]:
     ctx.decode((prompt * (FULL_N_CTX // len(prompt) + 1))[:FULL_N_CTX - FULL_N_STEPS])
-    return greedy_steps(ctx, FULL_N_STEPS)
+    tokens, logits = greedy_steps(ctx, FULL_N_STEPS)
+    logits.append(ctx.logits(-1))  # the logits of the step that filled the last cell (greedy_steps reads each step's
+    return tokens, logits          # logits before the next step, so it never reads the last one's)
 
 
 DEFAULT_SCENARIOS = ("greedy", "state", "shift", "streams")
