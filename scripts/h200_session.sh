@@ -144,6 +144,11 @@ exactness_fusion_off() {  # gpu_check with CUDA fusion off (and any further gpu_
     echo "gpu_check exit $?" >> "$out/gpu_check.txt"
 }
 
+exactness_in_chunks() {  # gpu_check with fusion off in chunked mode, every scenario: chunks of 256 cells, so that the
+                         # `full` scenario's last chunk ends the cache (its spare row before it)
+    exactness_fusion_off --attn chunked --attn-chunk 256 --scenarios greedy,state,shift,streams,full
+}
+
 exactness_streamed_and_not() {  # gpu_check with fusion off, streamed (the default) and not, into gpu_check.txt
     exactness_fusion_off
     { echo "== --stream off"; tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --stream off \
@@ -474,8 +479,7 @@ issue30)
     # decode, buffer, the step times from the verbose log); then, as time allows, chunked 32K (llama-bench at three
     # fractions, and the copy engine's trace at f 0.25: what idles it)
     copy_rate before
-    # chunks of 256 cells, so that the `full` scenario's last chunk ends the cache (its spare row before it)
-    exactness_fusion_off --attn chunked --attn-chunk 256 --scenarios greedy,state,shift,streams,full
+    exactness_in_chunks
     bench_model > "$out/issue30.err" 2>&1
     mkdir -p "$out/json"
     HI_BB_KV=q8_0 bb 262144 --headinfer-attn chunked -hgf 0.125
@@ -488,7 +492,7 @@ issue30)
     ;;
 exact)
     # exactness with fusion off, chunked (chunks of 256 cells, a full cache too) then joined, into gpu_check.txt (~30 s)
-    exactness_fusion_off --attn chunked --attn-chunk 256 --scenarios greedy,state,shift,streams,full
+    exactness_in_chunks
     mv "$out/gpu_check.txt" "$out/gpu_check_chunked.txt"
     exactness_fusion_off
     ;;
