@@ -414,6 +414,54 @@ def test_a_million_cell_context_in_chunks_adds_what_64k_cells_add(rpc_build, ggu
     assert re.findall(r"^logits (\d+) (\w+)$", out, flags=re.M) == [("65536", "identical"), ("1048576", "identical")], out
 
 
+PROMPT_BUFFER_CHILD = r"""
+import re, sys
+sys.path.insert(0, "scripts")
+from gpu_check import rpc_servers
+from pyllama_headinfer.llama import Context, Model, rpc_add_server
+from pyllama_headinfer.runtime.log import capture_log, compute_buffers_mib
+with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
+    for attn in ("chunked", "joined"):
+        for frac in (1.0, 0.5, 0.25):
+            with capture_log() as log, Context(model, n_ctx=4096, n_batch=2048, n_ubatch=2048, flash_attn=True,
+                                               headinfer_gpu_heads_frac=frac, headinfer_stream="any",
+                                               headinfer_attn=attn):
+                pass
+            sizes = compute_buffers_mib(log)
+            pp, tg = next(m.groups() for _, text in log for m in [re.search(r"splits = (\d+)(?: / (\d+))?", text)] if m)
+            print("buffer", attn, frac, next(mib for name, mib in sizes.items() if name.startswith("RPC0")))
+            print("splits", attn, frac, pp, tg or pp)
+"""
+
+
+def test_a_prompts_write_backs_do_not_hold_the_output_out_of_freed_memory(rpc_build, gguf_models):
+    """Patch 0044: at a prompt's ubatch (2048 rows) what the split layers add to the device's compute buffer over
+    frac 1.0 stays within the arena that ``plan`` predicts (issue 30's target), in chunked and in joined mode. Before
+    it, the last layer's write-back rows (its new K and V of the host heads) stayed allocated until the end of their
+    split -- after the output -- and lay in memory that the KQ mask's copy had left, so the logits were placed above
+    them: 12.1 / 15.6 MiB added at f 0.5 / 0.25 in chunked mode here, against an arena of 10 / 13 (joined: 10.0 /
+    13.5); with 0044 6.1 / 9.1 (joined 6.0 / 9.0), the staging slots, the joined heads fitting under the output's
+    peak. The prompt's graph gets one split more per split layer (its write-backs end it); decoding's does not."""
+    out = run_split_child(rpc_build, PROMPT_BUFFER_CHILD, str(gguf_models["llama-gqa"]))
+    mib = {(attn, float(f)): float(s) for attn, f, s in re.findall(r"^buffer (\w+) ([0-9.]+) ([0-9.]+)$", out, flags=re.M)}
+    assert len(mib) == 6, out
+    for attn in ("chunked", "joined"):
+        params = ContextParams(n_ctx=4096, n_batch=2048, n_ubatch=2048, flash_attn=True, headinfer_attn=attn)
+        plan = plan_kv(gguf_models["llama-gqa"], params, force_split=True)
+        for frac in (0.5, 0.25):
+            added = mib[attn, frac] - mib[attn, 1.0]
+            arena = plan.row_for_frac(frac).arena / 2**20
+            # three staging slots of the host heads' K and V of 4096 cells (64 values of F16 a head): 2 MiB a head
+            slots = 3 * 4096 * round(4 * (1 - frac)) * 64 * 2 * 2 / 2**20
+            assert slots <= added <= arena, (attn, frac, added, slots, arena, mib)
+    # the prompt's graph (pp) and decoding's (tg): frac 1.0 alike; a split adds one pp split per split layer (3)
+    splits = {(attn, float(f)): (int(pp), int(tg))
+              for attn, f, pp, tg in re.findall(r"^splits (\w+) ([0-9.]+) (\d+) (\d+)$", out, flags=re.M)}
+    assert splits["chunked", 1.0][0] == splits["chunked", 1.0][1], splits
+    for key in (("chunked", 0.5), ("joined", 0.25)):
+        assert splits[key][0] == splits[key][1] + 3, splits
+
+
 def streamed_splits(log: str) -> list[tuple[int, int, int, int, int]]:
     """(split, bytes streamed, slot, slots, slot size) of each streamed split (GGML_SCHED_DEBUG=1: "split #i streams
     N bytes into slot s of n (S bytes)")."""
