@@ -27,6 +27,7 @@
 #   scripts/h200_session.sh OUTDIR issue30  # issue 30's open figures: exactness in chunks (a full cache too), 256K q8_0 f 0.125 between copy rates, chunked 32K (bench, trace) (~8 min)
 #   scripts/h200_session.sh OUTDIR issue29  # issue 29's whole check: copy rate, test-backend-sched, exactness, table 8K-128K, buffers (~9 min)
 #   scripts/h200_session.sh OUTDIR exact    # exactness with fusion off, chunked (a full cache too) and joined (~30 s)
+#   [HI_VARIANT_LIB=DIR] scripts/h200_session.sh OUTDIR w44  # 0044 on the GPU: test-backend-sched, exactness, buffers 8K-256K, fill against DIR's libggml-base, 256K q8_0 frac 1.0 (~8 min)
 #   scripts/h200_session.sh OUTDIR chunks   # does a split per chunk cost decode speed: 128K q8_0 f 0.125 in chunks of 8K/16K/32K cells (~6 min)
 #   scripts/h200_session.sh OUTDIR table    # issue 29's decode table (8K/32K -r 2, 128K) and compute buffers at n_ubatch 2048 (~5 min)
 #
@@ -82,8 +83,9 @@ tl() {
     timeout "$left" "$@"
 }
 
-variant_env() {  # LD_LIBRARY_PATH=<HI_VARIANT_LIB, absolute>: the variant's libraries before the build's own (RUNPATH)
-    echo "LD_LIBRARY_PATH=$(cd "$HI_VARIANT_LIB" && pwd)"
+variant_env() {  # LD_LIBRARY_PATH=<HI_VARIANT_LIB, absolute>: the variant's libraries before the build's own (RUNPATH),
+                 # and before cuBLAS's directory where a carried build found it (use_cuda_libs)
+    echo "LD_LIBRARY_PATH=$(cd "$HI_VARIANT_LIB" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
 run_env() {  # the environment of one run of a comparison, by its name: variant* -> variant_env, two* -> two staging
@@ -495,6 +497,35 @@ exact)
     exactness_in_chunks
     mv "$out/gpu_check.txt" "$out/gpu_check_chunked.txt"
     exactness_fusion_off
+    ;;
+w44)
+    # patch 0044 (a split ends at its write-backs of a batch's rows) on the GPU (~8 min): test-backend-sched on CUDA0
+    # (its batch case), exactness in chunks and joined, the compute buffer table 8K-256K (n_ubatch 2048); the fill
+    # against the series before 0044 (HI_VARIANT_LIB: its libggml-base, e.g. .gpu-prebuilt/variant-pre0044): 2048
+    # tokens at depth 8K, n_ubatch 2048, f 1 and 0.5, chunked and joined, this / variant / this again; then frac 1.0's 256K q8_0 in chunks
+    # (the serial floor of f 0.125's 256K figure)
+    scheduler_test
+    exactness_in_chunks
+    mv "$out/gpu_check.txt" "$out/gpu_check_chunked.txt"
+    exactness_fusion_off
+    bench_model > "$out/w44.err" 2>&1
+    for attn in chunked joined; do
+        { echo "== python3 scripts/graph_splits.py --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 --fracs 1,0.5,0.25"
+          tl python3 scripts/graph_splits.py --model "$model" --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 \
+              --fracs 1,0.5,0.25; } >> "$out/splits.txt" 2>> "$out/w44.err"
+    done
+    mkdir -p "$out/json"
+    if [ -n "${HI_VARIANT_LIB:-}" ]; then
+        for which in this variant this2; do
+            for attn in chunked joined; do
+                LB_ENV=$(run_env $which) lb "fill_8k_${attn}_$which" -ctk f16 -ctv f16 -hgf 1,0.5 --headinfer-attn $attn \
+                    -d 8192 -p 2048 -n 0 -b 2048 -ub 2048 -r 2
+            done
+        done
+    fi
+    HI_BB_KV=q8_0 bb 262144 --headinfer-attn chunked -hgf 1
+    { echo "== log_step_times.py bb.err"; python3 scripts/log_step_times.py "$out/bb.err"; } >> "$out/bb.md" 2>&1
+    pack_raw "raw-w44.tgz" json bench.err bb.err w44.err
     ;;
 chunks)
     # whether the scheduler's split per chunk costs decode speed (issue 30, item 2): 128K, q8_0 KV at f 0.125 (one
