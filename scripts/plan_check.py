@@ -3,7 +3,11 @@
 
     python -m pyllama_headinfer build                      # CUDA build
     python scripts/plan_check.py --model b8.gguf --ctx 8192,32768,131072 --fracs 1,0.75,0.5,0.25 \\
-        [--types f16,q8_0] [--ngl 99] [--device CUDA0] [--json out.json]
+        [--types f16,q8_0] [--ngl 99] [--device CUDA0] [--ubatch 512] [--attn joined|chunked] [--json out.json]
+
+    # without a GPU: a local RPC server's device (a build with -DGGML_RPC=ON), which allocates as CUDA does
+    LLAMA_HEADINFER_FORCE_SPLIT=1 PYLLAMA_HEADINFER_BUILD_DIR=<rpc build> python scripts/plan_check.py --rpc \\
+        --model b8.gguf --ctx 8192,32768 --ubatch 2048 --attn chunked
 
 For each model, context size, KV type and fraction: ``plan_kv`` predicts the
 device's KV bytes (as CUDA allocates them), its compute buffer and the total
@@ -21,6 +25,7 @@ exact, total within 5 %). The model is loaded once per file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -30,11 +35,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pyllama_headinfer.params import ContextParams
 from pyllama_headinfer.runtime.log import capture_log
-from pyllama_headinfer.llama import Context, Model
-from pyllama_headinfer.vram.plan import plan_kv
+from pyllama_headinfer.llama import Context, Model, rpc_add_server
+from pyllama_headinfer.vram.plan import force_split_from_env, plan_kv
 
 MIB = 1 << 20
 
@@ -50,21 +56,26 @@ def gpu_used_mib() -> float | None:
 
 
 def logged_mib(log, device: str, what: str) -> float:
-    pattern = re.compile(rf"{re.escape(device)} {what} buffer size = +([\d.]+) MiB")
+    # an RPC device is named with its server's endpoint: RPC0[127.0.0.1:PORT]
+    name = re.escape(device) + (r"\[[^\]]*\]" if device.startswith("RPC") else "")
+    pattern = re.compile(rf"{name} {what} buffer size = +([\d.]+) MiB")
     return sum(float(m.group(1)) for _, text in log for m in [pattern.search(text)] if m)
 
 
-def check_one(model: Model, model_log, device: str, n_ctx: int, frac: float, kv: str, ngl: int) -> dict:
+def check_one(model: Model, model_log, device: str, n_ctx: int, frac: float, kv: str, ngl: int, n_ubatch: int = 512,
+              attn: str = "joined") -> dict:
     params = ContextParams(n_ctx=n_ctx, type_k=kv, type_v=kv, kv_unified=False, swa_full=True,
-                           headinfer_gpu_heads_frac=frac)
-    plan = plan_kv(model.gguf, params, n_gpu_layers=ngl)  # the one planned and the one created: the same params
+                           headinfer_gpu_heads_frac=frac, n_batch=max(512, n_ubatch), n_ubatch=n_ubatch,
+                           headinfer_attn=attn, **({"headinfer_stream": "any"} if device.startswith("RPC") else {}))
+    # the one planned and the one created: the same params
+    plan = plan_kv(model.gguf, params, n_gpu_layers=ngl, force_split=force_split_from_env())
     row = plan.row_for_frac(frac)
     before = gpu_used_mib()
     with capture_log() as log, Context(model, params) as ctx:
         after = gpu_used_mib()
         report = ctx.kv_residency()
     device_kv_exact = sum(b["k"] + b["v"] for name, b in report["buffers"].items()
-                          if name == device and not b["headinfer_host"])
+                          if (name == device or name.startswith(device + "[")) and not b["headinfer_host"])
     got = {"weights": logged_mib(model_log, device, "model"), "KV": logged_mib(log, device, "KV"),
            "compute": logged_mib(log, device, "compute")}
     want = {"weights": plan.weights.device_alloc / MIB, "KV": row.device_kv_alloc / MIB, "compute": row.compute / MIB}
@@ -82,20 +93,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--types", default="f16")
     ap.add_argument("--ngl", type=int, default=99)
     ap.add_argument("--device", default="CUDA0", help="buffer name of the GPU in llama.cpp's log (default CUDA0)")
+    ap.add_argument("--ubatch", type=int, default=512, help="n_ubatch (the compute buffer grows with it)")
+    ap.add_argument("--attn", choices=("joined", "chunked"), default="joined", help="headinfer_attn")
+    ap.add_argument("--rpc", action="store_true",
+                    help="a local RPC server's device instead of a GPU (--device RPC0; a build with -DGGML_RPC=ON)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.rpc and args.device == "CUDA0":
+        args.device = "RPC0"
     logging.getLogger("pyllama_headinfer.llama").setLevel(logging.INFO)
 
-    results, worst, kv_exact = [], 0.0, True
+    results = []
     print(f"{'model':18} {'n_ctx':>7} {'kv':5} {'frac':>5} | {'KV MiB plan/got':>21} | {'compute plan/got':>19} | "
           f"{'total plan/got':>21} {'diff':>6} | {'KV bytes exact':>14} | {'smi Δ MiB':>9}")
+    with contextlib.ExitStack() as stack:
+        devices = None
+        if args.rpc:
+            from gpu_check import rpc_servers  # the exactness check's
+            devices = rpc_add_server(stack.enter_context(rpc_servers(1))[0])
+        worst, kv_exact = check_models(args, devices, results)
+    print(f"worst total difference {worst:.1f}% ({'within' if worst <= 5 else 'OUTSIDE'} 5%); "
+          f"device KV bytes {'exact in every run' if kv_exact else 'NOT exact'}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    return 0 if worst <= 5 and kv_exact else 1
+
+
+def check_models(args, devices, results: list) -> tuple[float, bool]:
+    """Every model x KV type x context x fraction of ``args``: rows printed, results appended; (worst total
+    difference in %, device KV bytes exact in every run)."""
+    worst, kv_exact = 0.0, True
     for path in args.model:
-        with capture_log() as model_log, Model(path, n_gpu_layers=args.ngl) as model:
+        with capture_log() as model_log, Model(path, n_gpu_layers=args.ngl, devices=devices) as model:
             model_log = list(model_log)
             for kv in args.types.split(","):
                 for n_ctx in (int(c) for c in args.ctx.split(",")):
                     for frac in (float(f) for f in args.fracs.split(",")):
-                        r = check_one(model, model_log, args.device, n_ctx, frac, kv, args.ngl)
+                        r = check_one(model, model_log, args.device, n_ctx, frac, kv, args.ngl, args.ubatch, args.attn)
                         results.append(r)
                         g, w = r["got"], r["plan"]
                         diff = (w["total"] - g["total"]) / g["total"] * 100 if g["total"] else float("nan")
@@ -107,11 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{r['model'][:18]:18} {n_ctx:>7} {kv:5} {frac:>5g} | {w['KV']:>10.2f}/{g['KV']:<10.2f} | "
                               f"{w['compute']:>9.2f}/{g['compute']:<9.2f} | {w['total']:>10.2f}/{g['total']:<10.2f} "
                               f"{diff:>+5.1f}% | {('yes' if exact else 'NO'):>14} | {smi:>9}", flush=True)
-    print(f"worst total difference {worst:.1f}% ({'within' if worst <= 5 else 'OUTSIDE'} 5%); "
-          f"device KV bytes {'exact in every run' if kv_exact else 'NOT exact'}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
-    return 0 if worst <= 5 and kv_exact else 1
+    return worst, kv_exact
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ GPUs the same script runs with ``--devices CUDA0,CUDA1`` (docs/GPU.md).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -28,7 +29,7 @@ import pytest
 from pyllama_headinfer import paths
 from pyllama_headinfer.params import ContextParams
 from pyllama_headinfer.vram.plan import plan_kv
-from testing_models import FORCE_SPLIT
+from testing_models import FORCE_SPLIT, SPECS, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -460,6 +461,45 @@ def test_a_prompts_write_backs_do_not_hold_the_output_out_of_freed_memory(rpc_bu
     assert splits["chunked", 1.0][0] == splits["chunked", 1.0][1], splits
     for key in (("chunked", 0.5), ("joined", 0.25)):
         assert splits[key][0] == splits[key][1] + 3, splits
+
+
+COMPUTE_BUFFER_CHILD = r"""
+import sys
+sys.path.insert(0, "scripts")
+from gpu_check import rpc_servers
+from pyllama_headinfer.llama import Context, Model, rpc_add_server
+from pyllama_headinfer.runtime.log import capture_log, compute_buffers_mib
+with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
+    for attn in ("joined", "chunked"):
+        for frac in (1.0, 0.5, 0.25):
+            with capture_log() as log, Context(model, n_ctx=32768, n_batch=2048, n_ubatch=2048, flash_attn=True,
+                                               headinfer_gpu_heads_frac=frac, headinfer_stream="any",
+                                               headinfer_attn=attn):
+                pass
+            sizes = compute_buffers_mib(log)
+            print("buffer", attn, frac, next(mib for name, mib in sizes.items() if name.startswith("RPC0")))
+"""
+
+
+def test_plan_estimates_the_compute_buffer_where_the_logits_are_the_peak(rpc_build, tmp_path):
+    """``plan``'s compute-buffer estimate against the device's (an RPC device allocates as CUDA does: the H200's
+    joined buffers of the 8B shape at 128K and 256K to the MiB, docs/BENCHMARKS.md) for a model whose logits are the
+    peak: llama-gqa with a vocabulary of 32000 at n_ubatch 2048 (250 MiB of logits) and 32K cells (128 MiB of KQ
+    mask). The device's copy of the mask is freed after the last layer's attention, and the split's transients
+    with it (patch 0044 for the write-backs' rows), so the estimate is the larger of the layers plus the masks and the
+    output, plus the staging slots: within 5 MiB in both modes at every fraction. Adding the masks to the output (the
+    estimate before) over-estimated by 124-132 MiB here, 544 MiB for the 8B shape at 128K."""
+    path = write_model(dataclasses.replace(SPECS["llama-gqa"], name="llama-gqa-vocab32k", n_vocab=32000),
+                       tmp_path / "llama-gqa-vocab32k.gguf")
+    out = run_split_child(rpc_build, COMPUTE_BUFFER_CHILD, str(path))
+    mib = {(attn, float(f)): float(s) for attn, f, s in re.findall(r"^buffer (\w+) ([0-9.]+) ([0-9.]+)$", out, flags=re.M)}
+    assert len(mib) == 6, out
+    for attn in ("joined", "chunked"):
+        params = ContextParams(n_ctx=32768, n_batch=2048, n_ubatch=2048, flash_attn=True, headinfer_attn=attn)
+        plan = plan_kv(path, params, force_split=True)
+        for frac in (1.0, 0.5, 0.25):
+            estimate = plan.row_for_frac(frac).compute / 2**20
+            assert abs(estimate - mib[attn, frac]) <= 5, (attn, frac, estimate, mib)
 
 
 def streamed_splits(log: str) -> list[tuple[int, int, int, int, int]]:

@@ -379,7 +379,8 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
       concatenated K and V (the whole layer, cache type); with a quantized KV
       type, flash attention's f16 copies of K and V
       (ggml_cuda_flash_attn_ext_get_alloc_size); the largest layer counts;
-    * a layer's FFN: 4 T (2 n_embd + 3 n_ff);
+    * a layer's FFN: 4 T (3 n_embd + 3 n_ff) (the residual stream, the FFN's
+      input and its norm; gate, up and their product);
     * the output: 4 T (n_vocab + 2 n_embd) when the logits are computed on
       the GPU (output layer offloaded, or op offload of its matmul);
     * the KQ masks: 2 bytes x cells x T per cache (f16, flash attention);
@@ -387,8 +388,12 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
       weights copied in: the largest CPU layer's weights (and the CPU output
       weight) on top.
 
-    The largest of the layer and output stages, plus masks, plus what the
-    split keeps outside that peak:
+    The larger of the layer stage plus the masks and the output stage, plus
+    the staging buffer, which lives outside ggml-alloc. The device's copies of
+    the masks are freed after the last layer's attention, so the logits do
+    not meet them (measured on an RPC device, which allocates as CUDA does:
+    adding the masks to the output over-estimated the 8B shape's buffer by
+    544 MiB at 128K cells and n_ubatch 2048). What the split adds:
 
     * the scheduler's staging buffer (patch 0018): two slots, each one split
       layer's host K and V (the largest), outside ggml-alloc -- the host heads
@@ -402,10 +407,11 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
       DV); the chunks' masks are copied to the device once, as the mask is;
     * a split layer's converted rows of the host heads, T rows of its host
       K and V, alive until the layer's host stores after its attention
-      (patch 0024; written back from the device when streamed, patch 0023):
-      one layer's at a time, the largest. Like the staging buffer, this
-      assumes streaming (CUDA's default); without it the stores run at the
-      end of the graph and every layer's rows wait for them.
+      (patch 0024; written back from the device when streamed, patch 0023,
+      and freed there for a batch, patch 0044): one layer's at a time, the
+      largest, in the layer stage. Like the staging buffer, this assumes
+      streaming (CUDA's default); without it the stores run at the end of the
+      graph and every layer's rows wait for them.
 
     Not included:
     the CUDA context, cuBLAS workspaces and the CUDA memory pool (outside
@@ -424,7 +430,7 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
         nh, nkv = info.n_head[il], info.n_head_kv[il]
         hk, hv = info.head_k_of(il), info.head_v_of(il)
         attn_act = max(attn_act, f32 * T * (2 * info.n_embd + nh * hk + nkv * hk + nkv * hv + nh * hv))
-        ffn_act = max(ffn_act, f32 * T * (2 * info.n_embd + 3 * info.n_ff[il]))
+        ffn_act = max(ffn_act, f32 * T * (3 * info.n_embd + 3 * info.n_ff[il]))
     ws = slot = rows = 0
     masks = {}
     for layer, g in zip(layers, resident):
@@ -452,4 +458,4 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
     if w.output_on_gpu or offload_ops:
         output_stage = f32 * T * (info.n_vocab + 2 * info.n_embd) + (w.host_output if offload_ops else 0)
     staging = _staging(s, layers, resident, slot) if slot else 0
-    return max(layer_stage, output_stage) + sum(masks.values()) + staging + rows
+    return max(layer_stage + sum(masks.values()) + rows, output_stage) + staging
