@@ -415,7 +415,8 @@ def test_a_million_cell_context_in_chunks_adds_what_64k_cells_add(rpc_build, ggu
     assert re.findall(r"^logits (\d+) (\w+)$", out, flags=re.M) == [("65536", "identical"), ("1048576", "identical")], out
 
 
-PROMPT_BUFFER_CHILD = r"""
+# the device compute buffer and the graphs' splits (pp, tg) of a context of argv[2] cells at n_ubatch 2048
+BUFFERS_CHILD = r"""
 import re, sys
 sys.path.insert(0, "scripts")
 from gpu_check import rpc_servers
@@ -424,8 +425,8 @@ from pyllama_headinfer.runtime.log import capture_log, compute_buffers_mib
 with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
     for attn in ("chunked", "joined"):
         for frac in (1.0, 0.5, 0.25):
-            with capture_log() as log, Context(model, n_ctx=4096, n_batch=2048, n_ubatch=2048, flash_attn=True,
-                                               headinfer_gpu_heads_frac=frac, headinfer_stream="any",
+            with capture_log() as log, Context(model, n_ctx=int(sys.argv[2]), n_batch=2048, n_ubatch=2048,
+                                               flash_attn=True, headinfer_gpu_heads_frac=frac, headinfer_stream="any",
                                                headinfer_attn=attn):
                 pass
             sizes = compute_buffers_mib(log)
@@ -443,7 +444,7 @@ def test_a_prompts_write_backs_do_not_hold_the_output_out_of_freed_memory(rpc_bu
     them: 12.1 / 15.6 MiB added at f 0.5 / 0.25 in chunked mode here, against an arena of 10 / 13 (joined: 10.0 /
     13.5); with 0044 6.1 / 9.1 (joined 6.0 / 9.0), the staging slots, the joined heads fitting under the output's
     peak. The prompt's graph gets one split more per split layer (its write-backs end it); decoding's does not."""
-    out = run_split_child(rpc_build, PROMPT_BUFFER_CHILD, str(gguf_models["llama-gqa"]))
+    out = run_split_child(rpc_build, BUFFERS_CHILD, str(gguf_models["llama-gqa"]), "4096")
     mib = {(attn, float(f)): float(s) for attn, f, s in re.findall(r"^buffer (\w+) ([0-9.]+) ([0-9.]+)$", out, flags=re.M)}
     assert len(mib) == 6, out
     for attn in ("chunked", "joined"):
@@ -463,24 +464,6 @@ def test_a_prompts_write_backs_do_not_hold_the_output_out_of_freed_memory(rpc_bu
         assert splits[key][0] == splits[key][1] + 3, splits
 
 
-COMPUTE_BUFFER_CHILD = r"""
-import sys
-sys.path.insert(0, "scripts")
-from gpu_check import rpc_servers
-from pyllama_headinfer.llama import Context, Model, rpc_add_server
-from pyllama_headinfer.runtime.log import capture_log, compute_buffers_mib
-with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
-    for attn in ("joined", "chunked"):
-        for frac in (1.0, 0.5, 0.25):
-            with capture_log() as log, Context(model, n_ctx=32768, n_batch=2048, n_ubatch=2048, flash_attn=True,
-                                               headinfer_gpu_heads_frac=frac, headinfer_stream="any",
-                                               headinfer_attn=attn):
-                pass
-            sizes = compute_buffers_mib(log)
-            print("buffer", attn, frac, next(mib for name, mib in sizes.items() if name.startswith("RPC0")))
-"""
-
-
 def test_plan_estimates_the_compute_buffer_where_the_logits_are_the_peak(rpc_build, tmp_path):
     """``plan``'s compute-buffer estimate against the device's (an RPC device allocates as CUDA does: the H200's
     joined buffers of the 8B shape at 128K and 256K to the MiB, docs/BENCHMARKS.md) for a model whose logits are the
@@ -491,7 +474,7 @@ def test_plan_estimates_the_compute_buffer_where_the_logits_are_the_peak(rpc_bui
     estimate before) over-estimated by 124-132 MiB here, 544 MiB for the 8B shape at 128K."""
     path = write_model(dataclasses.replace(SPECS["llama-gqa"], name="llama-gqa-vocab32k", n_vocab=32000),
                        tmp_path / "llama-gqa-vocab32k.gguf")
-    out = run_split_child(rpc_build, COMPUTE_BUFFER_CHILD, str(path))
+    out = run_split_child(rpc_build, BUFFERS_CHILD, str(path), "32768")
     mib = {(attn, float(f)): float(s) for attn, f, s in re.findall(r"^buffer (\w+) ([0-9.]+) ([0-9.]+)$", out, flags=re.M)}
     assert len(mib) == 6, out
     for attn in ("joined", "chunked"):
