@@ -3,11 +3,12 @@
 
     python -m pyllama_headinfer build                      # CUDA build
     python scripts/plan_check.py --model b8.gguf --ctx 8192,32768,131072 --fracs 1,0.75,0.5,0.25 \\
-        [--types f16,q8_0] [--ngl 99] [--device CUDA0] [--ubatch 512] [--attn joined|chunked] [--json out.json]
+        [--types f16,q8_0] [--ngl 99] [--device CUDA0] [--ubatch 512] [--attn joined|chunked] [--stream gpu|any]
+        [--json out.json]
 
     # without a GPU: a local RPC server's device (a build with -DGGML_RPC=ON), which allocates as CUDA does
     LLAMA_HEADINFER_FORCE_SPLIT=1 PYLLAMA_HEADINFER_BUILD_DIR=<rpc build> python scripts/plan_check.py --rpc \\
-        --model b8.gguf --ctx 8192,32768 --ubatch 2048 --attn chunked
+        --model b8.gguf --ctx 8192,32768 --ubatch 2048 --attn chunked --stream any
 
 For each model, context size, KV type and fraction: ``plan_kv`` predicts the
 device's KV bytes (as CUDA allocates them), its compute buffer and the total
@@ -63,10 +64,10 @@ def logged_mib(log, device: str, what: str) -> float:
 
 
 def check_one(model: Model, model_log, device: str, n_ctx: int, frac: float, kv: str, ngl: int, n_ubatch: int = 512,
-              attn: str = "joined") -> dict:
+              headinfer: dict | None = None) -> dict:
     params = ContextParams(n_ctx=n_ctx, type_k=kv, type_v=kv, kv_unified=False, swa_full=True,
                            headinfer_gpu_heads_frac=frac, n_batch=max(512, n_ubatch), n_ubatch=n_ubatch,
-                           headinfer_attn=attn, **({"headinfer_stream": "any"} if device.startswith("RPC") else {}))
+                           **(headinfer or {}))
     # the one planned and the one created: the same params
     plan = plan_kv(model.gguf, params, n_gpu_layers=ngl, force_split=force_split_from_env())
     row = plan.row_for_frac(frac)
@@ -86,6 +87,8 @@ def check_one(model: Model, model_log, device: str, n_ctx: int, frac: float, kv:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gpu_check import add_headinfer_arguments, headinfer_params, rpc_servers  # the exactness check's
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "-m", action="append", required=True, help="GGUF model (repeatable)")
     ap.add_argument("--ctx", default="8192,32768")
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ngl", type=int, default=99)
     ap.add_argument("--device", default="CUDA0", help="buffer name of the GPU in llama.cpp's log (default CUDA0)")
     ap.add_argument("--ubatch", type=int, default=512, help="n_ubatch (the compute buffer grows with it)")
-    ap.add_argument("--attn", choices=("joined", "chunked"), default="joined", help="headinfer_attn")
+    add_headinfer_arguments(ap)  # --attn, --attn-chunk, --stream (any: RPC devices stream too)
     ap.add_argument("--rpc", action="store_true",
                     help="a local RPC server's device instead of a GPU (--device RPC0; a build with -DGGML_RPC=ON)")
     ap.add_argument("--json", type=Path, default=None)
@@ -109,9 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         devices = None
         if args.rpc:
-            from gpu_check import rpc_servers  # the exactness check's
             devices = rpc_add_server(stack.enter_context(rpc_servers(1))[0])
-        worst, kv_exact = check_models(args, devices, results)
+        worst, kv_exact = check_models(args, devices, results, headinfer_params(args))
     print(f"worst total difference {worst:.1f}% ({'within' if worst <= 5 else 'OUTSIDE'} 5%); "
           f"device KV bytes {'exact in every run' if kv_exact else 'NOT exact'}")
     if args.json:
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if worst <= 5 and kv_exact else 1
 
 
-def check_models(args, devices, results: list) -> tuple[float, bool]:
+def check_models(args, devices, results: list, headinfer: dict) -> tuple[float, bool]:
     """Every model x KV type x context x fraction of ``args``: rows printed, results appended; (worst total
     difference in %, device KV bytes exact in every run)."""
     worst, kv_exact = 0.0, True
@@ -129,7 +131,7 @@ def check_models(args, devices, results: list) -> tuple[float, bool]:
             for kv in args.types.split(","):
                 for n_ctx in (int(c) for c in args.ctx.split(",")):
                     for frac in (float(f) for f in args.fracs.split(",")):
-                        r = check_one(model, model_log, args.device, n_ctx, frac, kv, args.ngl, args.ubatch, args.attn)
+                        r = check_one(model, model_log, args.device, n_ctx, frac, kv, args.ngl, args.ubatch, headinfer)
                         results.append(r)
                         g, w = r["got"], r["plan"]
                         diff = (w["total"] - g["total"]) / g["total"] * 100 if g["total"] else float("nan")

@@ -483,6 +483,11 @@ def test_plan_estimates_the_compute_buffer_where_the_logits_are_the_peak(rpc_bui
         for frac in (1.0, 0.5, 0.25):
             estimate = plan.row_for_frac(frac).compute / 2**20
             assert abs(estimate - mib[attn, frac]) <= 5, (attn, frac, estimate, mib)
+    # the measuring script says the same without a GPU: KV bytes exact, totals within its 5 %
+    run = run_split_script(rpc_build, "plan_check.py", "--rpc", "-m", str(path), "--ctx", "32768", "--fracs", "1,0.5",
+                           "--ubatch", "2048", attn="chunked")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "(within 5%); device KV bytes exact in every run" in run.stdout, run.stdout[-3000:]
 
 
 def streamed_splits(log: str) -> list[tuple[int, int, int, int, int]]:
