@@ -151,6 +151,22 @@ exactness_in_chunks() {  # gpu_check with fusion off in chunked mode, every scen
     exactness_fusion_off --attn chunked --attn-chunk 256 --scenarios greedy,state,shift,streams,full
 }
 
+exactness_chunked_and_joined() {  # exactness_in_chunks into gpu_check_chunked.txt, then joined into gpu_check.txt
+    exactness_in_chunks
+    mv "$out/gpu_check.txt" "$out/gpu_check_chunked.txt"
+    exactness_fusion_off
+}
+
+buffer_table() {  # contexts (comma-separated), then a log file in OUTDIR: graph_splits.py's compute buffers and splits at
+                  # n_ubatch 2048, fractions 1 / 0.5 / 0.25, chunked and joined, into splits.txt
+    local ctxs=$1 log=$2 attn
+    for attn in chunked joined; do
+        { echo "== python3 scripts/graph_splits.py --attn $attn --ubatch 2048 --ctx $ctxs --fracs 1,0.5,0.25"
+          tl python3 scripts/graph_splits.py --model "$model" --attn $attn --ubatch 2048 --ctx "$ctxs" \
+              --fracs 1,0.5,0.25; } >> "$out/splits.txt" 2>> "$out/$log"
+    done
+}
+
 exactness_streamed_and_not() {  # gpu_check with fusion off, streamed (the default) and not, into gpu_check.txt
     exactness_fusion_off
     { echo "== --stream off"; tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --stream off \
@@ -428,12 +444,7 @@ lse128)
 lsebuf)
     # issue 30's buffer table: compute buffers at n_ubatch 2048 from 8K to 256K (HI_LSEBUF_CTX: fewer), chunked and joined
     bench_model > "$out/lsebuf.err" 2>&1
-    ctxs=${HI_LSEBUF_CTX:-8192,32768,131072,262144}
-    for attn in chunked joined; do
-        { echo "== python3 scripts/graph_splits.py --attn $attn --ubatch 2048 --ctx $ctxs --fracs 1,0.5,0.25"
-          tl python3 scripts/graph_splits.py --model "$model" --attn $attn --ubatch 2048 --ctx "$ctxs" \
-              --fracs 1,0.5,0.25; } >> "$out/splits.txt" 2>> "$out/lsebuf.err"
-    done
+    buffer_table "${HI_LSEBUF_CTX:-8192,32768,131072,262144}" lsebuf.err
     ;;
 quick29)
     # issue 29's last target alone (32K f 0.75 against frac 1.0, -r 3: the prefetch of both slots), for a session
@@ -494,26 +505,18 @@ issue30)
     ;;
 exact)
     # exactness with fusion off, chunked (chunks of 256 cells, a full cache too) then joined, into gpu_check.txt (~30 s)
-    exactness_in_chunks
-    mv "$out/gpu_check.txt" "$out/gpu_check_chunked.txt"
-    exactness_fusion_off
+    exactness_chunked_and_joined
     ;;
 w44)
     # patch 0044 (a split ends at its write-backs of a batch's rows) on the GPU (~8 min): test-backend-sched on CUDA0
     # (its batch case), exactness in chunks and joined, the compute buffer table 8K-256K (n_ubatch 2048); the fill
     # against the series before 0044 (HI_VARIANT_LIB: its libggml-base, e.g. .gpu-prebuilt/variant-pre0044): 2048
-    # tokens at depth 8K, n_ubatch 2048, f 1 and 0.5, chunked and joined, this / variant / this again; then frac 1.0's 256K q8_0 in chunks
-    # (the serial floor of f 0.125's 256K figure)
+    # tokens at depth 8K, n_ubatch 2048, f 1 and 0.5, chunked and joined, this / variant / this again; then frac 1.0's
+    # 256K q8_0 in chunks (the serial floor of f 0.125's 256K figure)
     scheduler_test
-    exactness_in_chunks
-    mv "$out/gpu_check.txt" "$out/gpu_check_chunked.txt"
-    exactness_fusion_off
+    exactness_chunked_and_joined
     bench_model > "$out/w44.err" 2>&1
-    for attn in chunked joined; do
-        { echo "== python3 scripts/graph_splits.py --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 --fracs 1,0.5,0.25"
-          tl python3 scripts/graph_splits.py --model "$model" --attn $attn --ubatch 2048 --ctx 8192,32768,131072,262144 \
-              --fracs 1,0.5,0.25; } >> "$out/splits.txt" 2>> "$out/w44.err"
-    done
+    buffer_table 8192,32768,131072,262144 w44.err
     mkdir -p "$out/json"
     if [ -n "${HI_VARIANT_LIB:-}" ]; then
         for which in this variant this2; do

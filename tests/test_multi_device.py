@@ -436,6 +436,13 @@ with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rp
 """
 
 
+def child_buffers(out: str) -> dict[tuple[str, float], float]:
+    """BUFFERS_CHILD's device compute buffers (MiB) by (headinfer_attn, frac): both modes at three fractions."""
+    mib = {(attn, float(f)): float(s) for attn, f, s in re.findall(r"^buffer (\w+) ([0-9.]+) ([0-9.]+)$", out, flags=re.M)}
+    assert len(mib) == 6, out
+    return mib
+
+
 def test_a_prompts_write_backs_do_not_hold_the_output_out_of_freed_memory(rpc_build, gguf_models):
     """Patch 0044: at a prompt's ubatch (2048 rows) what the split layers add to the device's compute buffer over
     frac 1.0 stays within the arena that ``plan`` predicts (issue 30's target), in chunked and in joined mode. Before
@@ -445,8 +452,7 @@ def test_a_prompts_write_backs_do_not_hold_the_output_out_of_freed_memory(rpc_bu
     13.5); with 0044 6.1 / 9.1 (joined 6.0 / 9.0), the staging slots, the joined heads fitting under the output's
     peak. The prompt's graph gets one split more per split layer (its write-backs end it); decoding's does not."""
     out = run_split_child(rpc_build, BUFFERS_CHILD, str(gguf_models["llama-gqa"]), "4096")
-    mib = {(attn, float(f)): float(s) for attn, f, s in re.findall(r"^buffer (\w+) ([0-9.]+) ([0-9.]+)$", out, flags=re.M)}
-    assert len(mib) == 6, out
+    mib = child_buffers(out)
     for attn in ("chunked", "joined"):
         params = ContextParams(n_ctx=4096, n_batch=2048, n_ubatch=2048, flash_attn=True, headinfer_attn=attn)
         plan = plan_kv(gguf_models["llama-gqa"], params, force_split=True)
@@ -475,8 +481,7 @@ def test_plan_estimates_the_compute_buffer_where_the_logits_are_the_peak(rpc_bui
     path = write_model(dataclasses.replace(SPECS["llama-gqa"], name="llama-gqa-vocab32k", n_vocab=32000),
                        tmp_path / "llama-gqa-vocab32k.gguf")
     out = run_split_child(rpc_build, BUFFERS_CHILD, str(path), "32768")
-    mib = {(attn, float(f)): float(s) for attn, f, s in re.findall(r"^buffer (\w+) ([0-9.]+) ([0-9.]+)$", out, flags=re.M)}
-    assert len(mib) == 6, out
+    mib = child_buffers(out)
     for attn in ("joined", "chunked"):
         params = ContextParams(n_ctx=32768, n_batch=2048, n_ubatch=2048, flash_attn=True, headinfer_attn=attn)
         plan = plan_kv(path, params, force_split=True)
