@@ -28,6 +28,7 @@
 #   scripts/h200_session.sh OUTDIR issue29  # issue 29's whole check: copy rate, test-backend-sched, exactness, table 8K-128K, buffers (~9 min)
 #   scripts/h200_session.sh OUTDIR exact    # exactness with fusion off, chunked (a full cache too) and joined (~30 s)
 #   [HI_VARIANT_LIB=DIR] scripts/h200_session.sh OUTDIR w44  # 0044 on the GPU: test-backend-sched, exactness, buffers 8K-256K, fill against DIR's libggml-base, 256K q8_0 frac 1.0 (~8 min)
+#   scripts/h200_session.sh OUTDIR rowmeta  # 0045 (the MMA kernel's row sums): test-backend-ops + perf, exactness, fill 8K/32K chunked and joined, chunked vs joined at 32K (~8 min)
 #   scripts/h200_session.sh OUTDIR chunks   # does a split per chunk cost decode speed: 128K q8_0 f 0.125 in chunks of 8K/16K/32K cells (~6 min)
 #   scripts/h200_session.sh OUTDIR table    # issue 29's decode table (8K/32K -r 2, 128K) and compute buffers at n_ubatch 2048 (~5 min)
 #
@@ -89,10 +90,12 @@ variant_env() {  # LD_LIBRARY_PATH=<HI_VARIANT_LIB, absolute>: the variant's lib
 }
 
 run_env() {  # the environment of one run of a comparison, by its name: variant* -> variant_env, two* -> two staging
-             # slots (GGML_SCHED_STREAM_SLOTS=2, patch 0042), anything else (this, three, ...) -> none
+             # slots (GGML_SCHED_STREAM_SLOTS=2, patch 0042), pass* -> the log-sum-exp by the pass over K everywhere
+             # (GGML_CUDA_FATTN_LSE_PASS=1, patch 0045), anything else (this, three, ...) -> none
     case $1 in
         variant*) variant_env ;;
         two*) echo GGML_SCHED_STREAM_SLOTS=2 ;;
+        pass*) echo GGML_CUDA_FATTN_LSE_PASS=1 ;;
     esac
 }
 
@@ -529,6 +532,28 @@ w44)
     HI_BB_KV=q8_0 bb 262144 --headinfer-attn chunked -hgf 1
     { echo "== log_step_times.py bb.err"; python3 scripts/log_step_times.py "$out/bb.err"; } >> "$out/bb.md" 2>&1
     pack_raw "raw-w44.tgz" json bench.err bb.err w44.err
+    ;;
+rowmeta)
+    # patch 0045 (the log-sum-exp attention of a large batch takes its row sums from the MMA kernel, no pass over K):
+    # test-backend-ops for flash attention (its cases of 509-1100 rows take the new path) and 0039's perf cases (one
+    # chunk of 8192 cells at 4096 rows: plain, and with the log-sum-exp); exactness with fusion off, chunked and
+    # joined; the fill of 2048 tokens at depth 8K and 32K (n_ubatch 2048, f 1 and 0.5): chunked with the kernel's
+    # row sums, with the pass over K (GGML_CUDA_FATTN_LSE_PASS=1), with the row sums again, then joined; then
+    # chunked against the joined heads at 32K over 256 steps (the prompt's log-sum-exps changed)
+    flash_attn_test_backend_ops
+    exactness_chunked_and_joined
+    bench_model > "$out/rowmeta.err" 2>&1
+    mkdir -p "$out/json"
+    for which in this pass this2; do
+        LB_ENV=$(run_env $which) lb "fill_chunked_$which" --headinfer-attn chunked -ctk f16 -ctv f16 -hgf 1,0.5 \
+            -d 8192,32768 -p 2048 -n 0 -b 2048 -ub 2048 -r 2
+    done
+    lb fill_joined --headinfer-attn joined -ctk f16 -ctv f16 -hgf 1,0.5 -d 8192,32768 -p 2048 -n 0 -b 2048 -ub 2048 -r 2
+    lb fill_chunked_q8_0 --headinfer-attn chunked -ctk q8_0 -ctv q8_0 -hgf 1,0.125 -d 32768 -p 2048 -n 0 -b 2048 \
+        -ub 2048 -r 2
+    { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/attn_parts_compare.py --no-cuda-fusion --mode chunked \
+          --chunk 8192 --depth 32768 --steps 256 --types f16 --fracs 0.5; } > "$out/chunked_vs_joined.txt" 2>&1
+    pack_raw "raw-rowmeta.tgz" json bench.err rowmeta.err
     ;;
 chunks)
     # whether the scheduler's split per chunk costs decode speed (issue 30, item 2): 128K, q8_0 KV at f 0.125 (one
