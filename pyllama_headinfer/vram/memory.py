@@ -447,7 +447,9 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
             k_elems = layer.n_head_kv * layer.head_k
             lw += 2 * (k_elems + layer.row_v) * cells  # f16 copies of K and V for flash attention
             if s.attn_chunk:
-                lw += 2 * k_elems * cells  # and K's own for the log-sum-exp pass (patch 0035)
+                # and K's own for the log-sum-exp pass (patch 0035), which a batch that takes its row sums from
+                # CUDA's MMA kernel does without (0045; whether it does depends on the GPU's SMs: counted)
+                lw += 2 * k_elems * cells
         if s.attn_chunk:
             nh = info.n_head[layer.il]
             lw += f32 * T * nh * (2 * (layer.head_v + 1) + layer.head_v)  # two chunks' results, the values' scratch
