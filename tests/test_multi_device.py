@@ -425,7 +425,8 @@ from pyllama_headinfer.runtime.log import capture_log, compute_buffers_mib
 with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
     for attn in ("chunked", "joined"):
         for frac in (1.0, 0.5, 0.25):
-            with capture_log() as log, Context(model, n_ctx=int(sys.argv[2]), n_batch=2048, n_ubatch=2048,
+            n_ubatch = int(sys.argv[3]) if len(sys.argv) > 3 else 2048
+            with capture_log() as log, Context(model, n_ctx=int(sys.argv[2]), n_batch=2048, n_ubatch=n_ubatch,
                                                flash_attn=True, headinfer_gpu_heads_frac=frac, headinfer_stream="any",
                                                headinfer_attn=attn):
                 pass
@@ -493,6 +494,24 @@ def test_plan_estimates_the_compute_buffer_where_the_logits_are_the_peak(rpc_bui
                            "--ubatch", "2048", attn="chunked")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "(within 5%); device KV bytes exact in every run" in run.stdout, run.stdout[-3000:]
+
+
+def test_plan_counts_the_spare_row_of_a_chunk_that_is_the_whole_cache(rpc_build, gguf_models):
+    """In chunked mode a split layer's chunk takes a batch's rows of other chunks in a spare row, a neighbouring cell
+    joined with the chunk's; a chunk that is the whole cache (a context within ``headinfer_attn_chunk``, here
+    llama-gqa's 32768 cells at n_ctx 32768) has none, so its joined K, then V, is copied with a row appended while it
+    is alive (patch 0034): 16 MiB more on the device here, which ``plan`` under-counted (estimate 119.3 MiB against
+    131.0 at f 0.5, the split adding 95.0 MiB against an arena of 80). At n_ubatch 512 the layers are the peak."""
+    path = gguf_models["llama-gqa"]
+    mib = child_buffers(run_split_child(rpc_build, BUFFERS_CHILD, str(path), "32768", "512"))
+    params = ContextParams(n_ctx=32768, n_batch=2048, n_ubatch=512, flash_attn=True, headinfer_attn="chunked")
+    plan = plan_kv(path, params, force_split=True)
+    for frac in (0.5, 0.25):
+        row = plan.row_for_frac(frac)
+        estimate, arena = row.compute / 2**20, row.arena / 2**20
+        assert mib["chunked", frac] <= estimate <= mib["chunked", frac] + 5, (frac, estimate, mib)
+        added = mib["chunked", frac] - mib["chunked", 1.0]
+        assert added <= arena <= added + 2, (frac, added, arena, mib)
 
 
 def streamed_splits(log: str) -> list[tuple[int, int, int, int, int]]:

@@ -338,11 +338,20 @@ def _split_transient(s: Settings, layer: KVLayer, g: int) -> tuple[int, int]:
     """A split layer's (slot, joined) device bytes: one of the scheduler's
     staging slots, which holds its host K and V (patch 0018), and its K and V
     joined on the device, both over the cells of one attention
-    (:func:`_attn_cells`). (0, 0) for a layer that does not split."""
+    (:func:`_attn_cells`). (0, 0) for a layer that does not split.
+
+    In chunked mode a chunk that is the layer's whole cache has no neighbouring
+    cell for the spare row that takes a batch's rows of other chunks, so its
+    joined K, then V, is copied with its first row appended while it is alive
+    (patch 0034): one more of the larger of the two."""
     if g >= layer.n_head_kv:
         return 0, 0
     cells = _attn_cells(s, layer)
-    joined = row_size(ggml_type(s.type_k), layer.n_head_kv * layer.head_k) + row_size(ggml_type(s.type_v), layer.row_v)
+    joined_k = row_size(ggml_type(s.type_k), layer.n_head_kv * layer.head_k)
+    joined_v = row_size(ggml_type(s.type_v), layer.row_v)
+    joined = joined_k + joined_v
+    if s.attn_chunk and layer.cells <= s.attn_chunk:
+        joined += max(joined_k, joined_v)
     return _host_row(s, layer, g) * cells, joined * cells
 
 
@@ -405,6 +414,8 @@ def compute_estimate(info: ModelInfo, s: Settings, geo: Geometry, layers: Sequen
       layer's; every layer's attention holds two chunks' results (values and
       log-sum-exp, 4 T n_head (DV + 1)) and the values' scratch (4 T n_head
       DV); the chunks' masks are copied to the device once, as the mask is;
+      where one chunk is a split layer's whole cache, its joined K (or V) is
+      held twice, once with the spare row appended (:func:`_split_transient`);
     * a split layer's converted rows of the host heads, T rows of its host
       K and V, alive until the layer's host stores after its attention
       (patch 0024; written back from the device when streamed, patch 0023,
