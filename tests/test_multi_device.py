@@ -415,17 +415,18 @@ def test_a_million_cell_context_in_chunks_adds_what_64k_cells_add(rpc_build, ggu
     assert re.findall(r"^logits (\d+) (\w+)$", out, flags=re.M) == [("65536", "identical"), ("1048576", "identical")], out
 
 
-# the device compute buffer and the graphs' splits (pp, tg) of a context of argv[2] cells at n_ubatch 2048
+# the device compute buffer and the graphs' splits (pp, tg) of a context of argv[2] cells at n_ubatch argv[3]
+# (default 2048)
 BUFFERS_CHILD = r"""
 import re, sys
 sys.path.insert(0, "scripts")
 from gpu_check import rpc_servers
 from pyllama_headinfer.llama import Context, Model, rpc_add_server
 from pyllama_headinfer.runtime.log import capture_log, compute_buffers_mib
+n_ubatch = int(sys.argv[3]) if len(sys.argv) > 3 else 2048
 with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
     for attn in ("chunked", "joined"):
         for frac in (1.0, 0.5, 0.25):
-            n_ubatch = int(sys.argv[3]) if len(sys.argv) > 3 else 2048
             with capture_log() as log, Context(model, n_ctx=int(sys.argv[2]), n_batch=2048, n_ubatch=n_ubatch,
                                                flash_attn=True, headinfer_gpu_heads_frac=frac, headinfer_stream="any",
                                                headinfer_attn=attn):
