@@ -29,6 +29,8 @@
 #   scripts/h200_session.sh OUTDIR exact    # exactness with fusion off, chunked (a full cache too) and joined (~30 s)
 #   [HI_VARIANT_LIB=DIR] scripts/h200_session.sh OUTDIR w44  # 0044 on the GPU: test-backend-sched, exactness, buffers 8K-256K, fill against DIR's libggml-base, 256K q8_0 frac 1.0 (~8 min)
 #   scripts/h200_session.sh OUTDIR rowmeta  # 0045 (the MMA kernel's row sums): test-backend-ops + perf, exactness, fill 8K/32K chunked and joined, chunked vs joined at 32K (~8 min)
+#   HI_VARIANT_LIB=DIR scripts/h200_session.sh OUTDIR groups  # 0046 (groups, not splits): test-backend-sched, exactness, 128K q8_0 f 0.125 chunked against DIR's libggml-base (~9 min)
+#   HI_VARIANT_LIB=DIR scripts/h200_session.sh OUTDIR groups2 # 0046: joined 128K f 0.25 and chunked 32K f 0.25 against DIR's libggml-base (~8 min)
 #   scripts/h200_session.sh OUTDIR chunks   # does a split per chunk cost decode speed: 128K q8_0 f 0.125 in chunks of 8K/16K/32K cells (~6 min)
 #   scripts/h200_session.sh OUTDIR table    # issue 29's decode table (8K/32K -r 2, 128K) and compute buffers at n_ubatch 2048 (~5 min)
 #
@@ -134,13 +136,14 @@ EOF
 }
 
 bb() {  # depth, then flags: llama-batched-bench fills depth tokens at n_ubatch 2048 and decodes 16 (KV type HI_BB_KV,
-        # default f16), into bb.md
+        # default f16; environment BB_ENV, e.g. run_env's), into bb.md with the compute buffer and the graph splits
     local depth=$1
     shift
     local args=(-m "$model" -ngl 99 -fa on -ctk "${HI_BB_KV:-f16}" -ctv "${HI_BB_KV:-f16}" -c $(( depth + 256 )) -b 2048 -ub 2048 -npp "$depth" -ntg 16 -npl 1 -v "$@")
-    echo "== llama-batched-bench ${args[*]}" >> "$out/bb.md"
-    { time tl "$bdir/bin/llama-batched-bench" "${args[@]}"; } 2>> "$out/bb.err" | grep "^|" >> "$out/bb.md"
+    echo "== ${BB_ENV:-} llama-batched-bench ${args[*]}" >> "$out/bb.md"
+    { time tl env ${BB_ENV:-} "$bdir/bin/llama-batched-bench" "${args[@]}"; } 2>> "$out/bb.err" | grep "^|" >> "$out/bb.md"
     grep "I sched_reserve: *CUDA0 compute buffer size" "$out/bb.err" | tail -1 >> "$out/bb.md"
+    grep "graph_reserve: graph.*splits = " "$out/bb.err" | tail -1 >> "$out/bb.md"
 }
 
 exactness_fusion_off() {  # gpu_check with CUDA fusion off (and any further gpu_check arguments), its time and exit
@@ -554,6 +557,36 @@ rowmeta)
     { time tl env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/attn_parts_compare.py --no-cuda-fusion --mode chunked \
           --chunk 8192 --depth 32768 --steps 256 --types f16 --fracs 0.5; } > "$out/chunked_vs_joined.txt" 2>&1
     pack_raw "raw-rowmeta.tgz" json bench.err rowmeta.err
+    ;;
+groups)
+    # patch 0046 (a split's streamed inputs in groups of the split, not a split each) against the series before it
+    # (HI_VARIANT_LIB: its libggml-base, e.g. .gpu-prebuilt/variant-pre0046): test-backend-sched on CUDA0, exactness
+    # with fusion off in chunks and joined; then 128K q8_0 KV at f 0.125 in chunks (the model's 8192 cells: 514 decode
+    # splits before), fill and 64 decode steps in llama-batched-bench, this / variant / this again, with the graph
+    # splits that llama.cpp logs (~9 min)
+    scheduler_test
+    exactness_chunked_and_joined
+    copy_rate before
+    bench_model > "$out/groups.err" 2>&1
+    for which in this variant this2; do
+        HI_BB_KV=q8_0 BB_ENV=$(run_env $which) bb "${HI_GROUPS_DEPTH:-131072}" --headinfer-attn chunked -hgf 0.125 -ntg 64
+    done
+    copy_rate after
+    pack_raw "raw-groups.tgz" bb.err groups.err
+    ;;
+groups2)
+    # the rest of 0046's comparison (HI_VARIANT_LIB as for groups): the joined default at 128K f 0.25 (34 decode splits
+    # before), then 32K in chunks at f 0.25, fill and 64 decode steps each, this / variant / this again (~8 min)
+    copy_rate before
+    bench_model > "$out/groups2.err" 2>&1
+    for which in this variant this2; do
+        BB_ENV=$(run_env $which) bb 131072 --headinfer-attn joined -hgf 0.25 -ntg 64
+    done
+    for which in this variant this2; do
+        BB_ENV=$(run_env $which) bb 32768 --headinfer-attn chunked -hgf 0.25 -ntg 64
+    done
+    copy_rate after
+    pack_raw "raw-groups2.tgz" bb.err groups2.err
     ;;
 chunks)
     # whether the scheduler's split per chunk costs decode speed (issue 30, item 2): 128K, q8_0 KV at f 0.125 (one

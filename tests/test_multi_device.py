@@ -175,9 +175,9 @@ def graph_report(rpc_build: Path, model: Path, n_ctx: int, no_stream: bool,
 
 
 def test_host_heads_are_copied_one_layer_at_a_time(rpc_build, tmp_path):
-    """An offload device reads each split layer's host heads in a split of their own (one per layer, whether the
-    scheduler streams them ahead or copies them when the split starts), so the device's transient memory is one
-    layer's worth, the same for a 3- and an 8-layer model. Copying them all in one split would grow it with the layer
+    """An offload device reads each split layer's host heads one layer at a time (streamed ahead, each layer's are a
+    group of the device's split, patch 0046; copied when their split starts, a split of their own), so the device's
+    transient memory is one layer's worth, the same for a 3- and an 8-layer model. Copying them all in one split would grow it with the layer
     count: 8.6 GiB at 128K on an 8B model. Streamed, each layer's host stores follow its attention and are written back
     from the device (patches 0023, 0024), so the converted rows that they store are kept for one layer at a time and do
     not grow with the layer count either; not streamed, the stores run at the end of the graph in one host split."""
@@ -200,8 +200,9 @@ def test_host_heads_are_copied_one_layer_at_a_time(rpc_build, tmp_path):
                 # of host memory, patch 0017), and the host stores last
                 assert splits1 == splits0 + n_layer + 1, report
             else:
-                # the same cuts, and no host split: the scheduler writes the stores back from the device
-                assert splits1 == splits0 + n_layer, report
+                # no split more: the cuts are groups of the device's split, and the scheduler writes the stores back
+                # from the device (a host split would add two)
+                assert splits1 == splits0, report
             growth[no_stream, n_layer] = mib1 - mib0
         assert growth[no_stream, 3] > 0 and growth[no_stream, 3] <= 3 * 16, growth
     # not streamed, only the rows waiting for the stores at the end grow with the layers; streamed, nothing does
@@ -219,18 +220,26 @@ def test_host_stores_are_written_back_with_one_kv_stream_per_sequence(rpc_build,
     report = graph_report(rpc_build, gguf_models["llama-gqa"], 4096, False, n_streams=2)
     (split0, splits0, _), (split1, splits1, _) = report[1.0], report[0.5]
     assert split0 == 0 and split1 == 3
-    assert splits1 == splits0 + split1, report
+    assert splits1 == splits0, report  # the layers' reads are groups of the device's split (0046)
 
 
-def test_sliding_window_layers_read_their_host_heads_in_splits_of_their_own(rpc_build, gguf_models):
+def test_sliding_window_layers_read_their_host_heads_in_groups_of_their_own(rpc_build, gguf_models):
     """iSWA (gemma3: a sliding-window layer's KV is 16 cells padded, a global layer's 4096): every split layer's host
-    heads are read in a split of its own, the small ones too, and the first split layer's in a split that starts at
-    their first reader. (A cut by bytes, at most two of the graph's largest inputs per split, copied several small
-    layers' heads with a global layer's K, and their attention waited for it.)"""
+    heads are read in a group of its own (patch 0046; a split of its own before), the small ones too: each streamed
+    group copies one layer's K and V, and the groups add no split. (A cut by bytes, at most two of the graph's largest
+    inputs per split, copied several small layers' heads with a global layer's K, and their attention waited for
+    it.)"""
     report = graph_report(rpc_build, gguf_models["gemma3-iswa"], 4096, False)
     (split0, splits0, _), (split1, splits1, _) = report[1.0], report[0.5]
     assert split0 == 0 and split1 == 4
-    assert splits1 == splits0 + split1, report
+    assert splits1 == splits0, report
+    stdout = run_split_child(rpc_build, DECODE_STREAMS_CHILD, str(gguf_models["gemma3-iswa"]), "0", sched_debug="1")
+    groups = streamed_groups(stdout)
+    assert len(groups) == 4 and len({group for group, *_ in groups}) == 4, stdout
+    assert len({split for _, split, *_ in groups}) == 1, stdout  # all in the device's one split
+    inputs = [names for backend, names in split_inputs(stdout) if backend.startswith("RPC")]
+    assert len(inputs) == 1 and sum(name.startswith("cache_") and "_host_l" in name for name in inputs[0]) == 2 * 4, \
+        stdout  # each group's copies: the K and V of one layer
 
 
 # fills the sequences given (argv[2], e.g. "0,1") of a context with one KV stream per sequence far from full on one
@@ -323,12 +332,13 @@ def test_chunked_decode_copies_each_chunks_cell_indices_once_not_once_per_layer(
     """Each chunk of a split layer writes this graph's rows at its block of the cell-index input (get_split_chunk).
     The block is the same for every layer: one view of the input for all layers means one copy to the device per
     chunk and graph. A view per layer was a synchronous copy of 8 bytes per chunk, layer, K and V at the start of
-    every decoding step: 1090 of them at 128K cells on an 8B shape, ~13 ms of a 255 ms step on the GPU."""
+    every decoding step: 1090 of them at 128K cells on an 8B shape, ~13 ms of a 255 ms step on the GPU. The chunks
+    are groups of the device's one split (patch 0046), not a split each."""
     out = run_split_child(rpc_build, CHUNKED_DECODE_SPLITS_CHILD, str(gguf_models["llama-gqa"]), sched_debug="2")
     splits = split_inputs(out)
-    n_chunk_splits = sum(1 for _, inputs in splits if any(name.startswith("cache_k_host_l") for name in inputs))
     idxs_copies = sum(inputs.count("attn_inp_k_idxs") for _, inputs in splits)  # views of the input
-    assert n_chunk_splits >= 2 * 3, splits  # a split per chunk: three chunks in each of at least two layers
+    assert len(streamed_groups(out)) == 3 * 3, out  # a group per chunk: three chunks in each of the three layers
+    assert [backend.startswith("RPC") for backend, _ in splits] == [False, True], splits  # the embeddings, the rest
     assert idxs_copies == 1 + 3, splits  # the stores' view, then one per chunk
 
 
@@ -452,7 +462,8 @@ def test_a_prompts_write_backs_do_not_hold_the_output_out_of_freed_memory(rpc_bu
     split -- after the output -- and lay in memory that the KQ mask's copy had left, so the logits were placed above
     them: 12.1 / 15.6 MiB added at f 0.5 / 0.25 in chunked mode here, against an arena of 10 / 13 (joined: 10.0 /
     13.5); with 0044 6.1 / 9.1 (joined 6.0 / 9.0), the staging slots, the joined heads fitting under the output's
-    peak. The prompt's graph gets one split more per split layer (its write-backs end it); decoding's does not."""
+    peak. The prompt's write-backs end their group of the device's split (patch 0046; their split before it): the
+    prompt's graph has as many splits as decoding's."""
     out = run_split_child(rpc_build, BUFFERS_CHILD, str(gguf_models["llama-gqa"]), "4096")
     mib = child_buffers(out)
     for attn in ("chunked", "joined"):
@@ -464,12 +475,11 @@ def test_a_prompts_write_backs_do_not_hold_the_output_out_of_freed_memory(rpc_bu
             # three staging slots of the host heads' K and V of 4096 cells (64 values of F16 a head): 2 MiB a head
             slots = 3 * 4096 * round(4 * (1 - frac)) * 64 * 2 * 2 / 2**20
             assert slots <= added <= arena, (attn, frac, added, slots, arena, mib)
-    # the prompt's graph (pp) and decoding's (tg): frac 1.0 alike; a split adds one pp split per split layer (3)
+    # the prompt's graph (pp) and decoding's (tg) alike, at every fraction and in both modes
     splits = {(attn, float(f)): (int(pp), int(tg))
               for attn, f, pp, tg in re.findall(r"^splits (\w+) ([0-9.]+) (\d+) (\d+)$", out, flags=re.M)}
-    assert splits["chunked", 1.0][0] == splits["chunked", 1.0][1], splits
-    for key in (("chunked", 0.5), ("joined", 0.25)):
-        assert splits[key][0] == splits[key][1] + 3, splits
+    assert len(splits) == 6 and len(set(splits.values())) == 1 and splits["chunked", 1.0][0] == splits["chunked", 1.0][1], \
+        splits
 
 
 def test_plan_estimates_the_compute_buffer_where_the_logits_are_the_peak(rpc_build, tmp_path):
@@ -515,16 +525,24 @@ def test_plan_counts_the_spare_row_of_a_chunk_that_is_the_whole_cache(rpc_build,
         assert added <= arena <= added + 2, (frac, added, arena, mib)
 
 
-def streamed_splits(log: str) -> list[tuple[int, int, int, int, int]]:
-    """(split, bytes streamed, slot, slots, slot size) of each streamed split (GGML_SCHED_DEBUG=1: "split #i streams
-    N bytes into slot s of n (S bytes)")."""
-    pattern = r"split #(\d+) streams (\d+) bytes into slot (\d) of (\d) \((\d+) bytes\)"
+def streamed_groups(log: str) -> list[tuple[int, int, int, int, int, int]]:
+    """(group, split, bytes streamed, slot, slots, slot size) of each group of a split that streams inputs
+    (GGML_SCHED_DEBUG=1: "group #g of split #i streams N bytes into slot s of n (S bytes)", patch 0046)."""
+    pattern = r"group #(\d+) of split #(\d+) streams (\d+) bytes into slot (\d) of (\d) \((\d+) bytes\)"
     return [tuple(int(x) for x in found) for found in re.findall(pattern, log)]
 
 
 def streamed_bytes(log: str) -> list[tuple[int, int]]:
-    """(bytes streamed, slot size) of each streamed split."""
-    return [(n, size) for _, n, _, _, size in streamed_splits(log)]
+    """(bytes streamed, slot size) of each streamed group."""
+    return [(n, size) for _, _, n, _, _, size in streamed_groups(log)]
+
+
+def first_groups(log: str) -> dict[int, int]:
+    """split -> its first group (GGML_SCHED_DEBUG=1: "## GROUP #g of split #i" before each group's nodes)."""
+    res: dict[int, int] = {}
+    for group, split in re.findall(r"## GROUP #(\d+) of split #(\d+)", log):
+        res.setdefault(int(split), int(group))
+    return res
 
 
 def split_inputs(log: str) -> list[tuple[str, list[str]]]:
@@ -567,18 +585,21 @@ def test_streams_of_sequences_not_in_the_ubatch_are_not_streamed(rpc_build, gguf
 def test_host_heads_are_copied_two_layers_ahead_in_three_small_slots(rpc_build, gguf_models):
     """While a layer's host heads are small (patch 0042: at most 128 MiB), the scheduler stages them in three slots
     and copies them two split layers ahead: the first two layers' at the end of the step before (the second one's
-    while the host prepares the next step), the third one's at the device's first split, right after its graph
+    while the host prepares the next step), the third one's at the device's first group, right after its graph
     inputs are copied, rather than when the first layer's attention starts (after the device's work before it is
-    queued: 0.14 ms of idle copy engine per step on the H100, docs/BENCHMARKS.md)."""
+    queued: 0.14 ms of idle copy engine per step on the H100, docs/BENCHMARKS.md). Each layer's copies are a group
+    of the device's one split (patch 0046)."""
     stdout = run_split_child(rpc_build, DECODE_STREAMS_CHILD, str(gguf_models["llama-gqa"]), "0", sched_debug="1")
-    streamed = streamed_splits(stdout)
-    assert [(slot, n) for _, _, slot, n, _ in streamed] == [(0, 3), (1, 3), (2, 3)], stdout  # 3 layers, 64 KiB each
-    layers = [split for split, *_ in streamed]
+    streamed = streamed_groups(stdout)
+    assert [(slot, n) for _, _, _, slot, n, _ in streamed] == [(0, 3), (1, 3), (2, 3)], stdout  # 3 layers, 64 KiB each
+    layers = [group for group, *_ in streamed]
     first_device = next(i for i, (backend, _) in enumerate(split_inputs(stdout)) if backend.startswith("RPC"))
-    assert first_device < layers[0], stdout
-    starts = [(int(a), int(b)) for a, b in re.findall(r"split #(\d+) starts the copies of split #(\d+)", stdout)]
-    assert starts == [(first_device, layers[2])], stdout
-    assert (f"the next computation's split #{layers[0]} prefetched at the start of split #{layers[2]}, "
+    assert {split for _, split, *_ in streamed} == {first_device}, stdout
+    first_group = first_groups(stdout)[first_device]
+    assert first_group < layers[0], stdout
+    starts = [(int(a), int(b)) for a, b in re.findall(r"group #(\d+) starts the copies of group #(\d+)", stdout)]
+    assert starts == [(first_group, layers[2])], stdout
+    assert (f"the next computation's group #{layers[0]} prefetched at the start of group #{layers[2]}, "
             "the next one at its end") in stdout
 
 
@@ -603,10 +624,11 @@ print("".join(text for _, text in log))
 
 def test_host_heads_of_two_devices_share_one_chain_of_slots(rpc_build, tmp_path):
     """Layers split over two devices: each device stages its split layers' host heads in slots of its own, but the
-    copies run ahead by positions in one chain of the streamed splits of both devices (patch 0042), so every device gets
-    the same number of slots (three here: small slots) and its slots are taken in turn by its own layers; a copy for a
-    layer of the other device stays at the split two positions before it (patch 0043 moves only the first copies of a
-    device's own chain to its first split); and the next step's prefetch is the first device's, from its last split.
+    copies run ahead by positions in one chain of the streamed groups of both devices (patches 0042, 0046), so every
+    device gets the same number of slots (three here: small slots) and its slots are taken in turn by its own layers;
+    a copy for a layer of the other device stays at the group two positions before it (patch 0043 moves only the first
+    copies of a device's own chain to its first group); and the next step's prefetch is the first device's, from its
+    last group. Each device computes one split.
     The exactness of the same setup is test_layer_split_over_two_devices_is_bit_exact's."""
     from testing_models import SPECS, with_layers, write_model
 
@@ -614,25 +636,26 @@ def test_host_heads_of_two_devices_share_one_chain_of_slots(rpc_build, tmp_path)
     stdout = run_split_child(rpc_build, TWO_DEVICE_DECODE_CHILD, str(model), sched_debug="2")
     # each server's device is its RPC0: the backends differ by endpoint ("RPC0[127.0.0.1:PORT]")
     backends = re.findall(r"## SPLIT #\d+: (\S+) #", stdout)
-    streamed = streamed_splits(stdout)
-    chain = [split for split, *_ in streamed]
+    streamed = streamed_groups(stdout)
+    chain = [group for group, *_ in streamed]
     assert len(chain) == 8, stdout
-    devices = [backends[split] for split in chain]
+    devices = [backends[split] for _, split, *_ in streamed]
+    assert len({split for _, split, *_ in streamed}) == 2, stdout
     # the first layers on one device, the others on the other one
     assert devices[0].startswith("RPC") and len(set(devices)) == 2 and devices == sorted(devices, key=devices.index), \
         stdout
     assert {n for *_, n, _ in streamed} == {3}, stdout
     for device in set(devices):
-        slots = [slot for (split, _, slot, _, _), d in zip(streamed, devices) if d == device]
+        slots = [slot for (_, _, _, slot, _, _), d in zip(streamed, devices) if d == device]
         assert slots == [k % 3 for k in range(len(slots))], (device, stdout)
 
-    starts = dict((int(a), int(b)) for a, b in re.findall(r"split #(\d+) starts the copies of split #(\d+)", stdout))
-    first_device_split = backends.index(devices[0])
-    expected = {first_device_split: chain[2]} if devices[2] == devices[0] else {chain[0]: chain[2]}
+    starts = dict((int(a), int(b)) for a, b in re.findall(r"group #(\d+) starts the copies of group #(\d+)", stdout))
+    first_device_group = first_groups(stdout)[backends.index(devices[0])]
+    expected = {first_device_group: chain[2]} if devices[2] == devices[0] else {chain[0]: chain[2]}
     expected.update({chain[k]: chain[k + 2] for k in range(1, len(chain) - 2)})
     assert starts == expected, stdout
-    last_of_first = max(split for split, d in zip(chain, devices) if d == devices[0])
-    assert re.search(rf"the next computation's split #{chain[0]} prefetched at the (start|end) of split "
+    last_of_first = max(group for group, d in zip(chain, devices) if d == devices[0])
+    assert re.search(rf"the next computation's group #{chain[0]} prefetched at the (start|end) of group "
                      rf"#{last_of_first}", stdout), stdout
 
 
@@ -640,12 +663,15 @@ def test_index_views_are_copied_at_the_first_device_split(rpc_build, gguf_models
     """With one KV stream per sequence, every split layer reads the ubatch's cell indices through views of the index
     inputs. Views of graph inputs are copied when the device's first split starts, as the inputs themselves (patch
     0025): copied where they are first read, each copy of a later split would wait there for the device's work queued
-    before it (a synchronisation per layer on CUDA). The later splits copy only the host heads of their layer."""
+    before it (a synchronisation per layer on CUDA). The layers' host heads are streamed, one group of the device's
+    split each (patch 0046): the device computes one split, which copies every other input when it starts."""
     stdout = run_split_child(rpc_build, DECODE_STREAMS_CHILD, str(gguf_models["llama-gqa"]), "0,1", sched_debug="2")
     device = [inputs for backend, inputs in split_inputs(stdout) if backend.startswith("RPC")]
-    assert len(device) == 1 + 3, stdout  # the first device split, then one per split layer
+    assert len(device) == 1, stdout
     assert sum("idxs" in name for name in device[0]) >= 2 * 3, stdout  # K and V indices of every layer
-    assert device[1:] == [[f"cache_k_host_l{il}", f"cache_v_host_l{il}"] for il in range(3)], stdout
+    assert [name for name in device[0] if "_host_l" in name] == \
+        [f"cache_{kv}_host_l{il}" for il in range(3) for kv in "kv"], stdout
+    assert len(streamed_groups(stdout)) == 3, stdout
 
 
 # one context on one RPC device, the decode graph reused from token to token: the scheduler prefetches the first split
