@@ -31,6 +31,7 @@
 #   scripts/h200_session.sh OUTDIR rowmeta  # 0045 (the MMA kernel's row sums): test-backend-ops + perf, exactness, fill 8K/32K chunked and joined, chunked vs joined at 32K (~8 min)
 #   HI_VARIANT_LIB=DIR scripts/h200_session.sh OUTDIR groups  # 0046 (groups, not splits): test-backend-sched, exactness, 128K q8_0 f 0.125 chunked against DIR's libggml-base (~9 min)
 #   HI_VARIANT_LIB=DIR scripts/h200_session.sh OUTDIR groups2 # 0046: joined 128K f 0.25 and chunked 32K f 0.25 against DIR's libggml-base (~8 min)
+#   [HI_VARIANT_LIB=DIR] scripts/h200_session.sh OUTDIR groups256 # 256K chunked, q8_0 f 0.125 and f16 f 0.25: fill, decode, splits, buffer vs reserve (~7 min)
 #   scripts/h200_session.sh OUTDIR chunks   # does a split per chunk cost decode speed: 128K q8_0 f 0.125 in chunks of 8K/16K/32K cells (~6 min)
 #   scripts/h200_session.sh OUTDIR table    # issue 29's decode table (8K/32K -r 2, 128K) and compute buffers at n_ubatch 2048 (~5 min)
 #
@@ -587,6 +588,20 @@ groups2)
     done
     copy_rate after
     pack_raw "raw-groups2.tgz" bb.err groups2.err
+    ;;
+groups256)
+    # 256K in chunks with 0045 and 0046: q8_0 KV at f 0.125 and f16 at f 0.25, fill and 32 decode steps in
+    # llama-batched-bench (the CUDA0 buffer, the graph splits, and llama.cpp's check of the buffer against its reserve at
+    # the end of the run, in bb.err); with HI_VARIANT_LIB, the f16 run again against its libggml-base (~7 min, 9 with it)
+    bench_model > "$out/groups256.err" 2>&1
+    HI_BB_KV=q8_0 bb 262144 --headinfer-attn chunked -hgf 0.125 -ntg 32
+    bb 262144 --headinfer-attn chunked -hgf 0.25 -ntg 32
+    if [ -n "${HI_VARIANT_LIB:-}" ]; then
+        BB_ENV=$(run_env variant) bb 262144 --headinfer-attn chunked -hgf 0.25 -ntg 4
+    fi
+    grep "expectation" "$out/bb.err" >> "$out/bb.md"
+    copy_rate after
+    pack_raw "raw-groups256.tgz" bb.err groups256.err
     ;;
 chunks)
     # whether the scheduler's split per chunk costs decode speed (issue 30, item 2): 128K, q8_0 KV at f 0.125 (one
