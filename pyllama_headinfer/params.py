@@ -108,15 +108,9 @@ def check_kv_type(name: str, value) -> str:
     return t
 
 
-# HeadInfer: llama_context_params.headinfer_stream and .headinfer_attn (llama.h's enums), by name
-HEADINFER_STREAM_TYPES = {
-    "gpu": "LLAMA_HEADINFER_STREAM_GPU",  # host heads copied one layer ahead on CUDA/HIP GPUs (default)
-    "off": "LLAMA_HEADINFER_STREAM_OFF",  # copied when their layer starts
-    "any": "LLAMA_HEADINFER_STREAM_ANY",  # streamed on any device with async copies and events (RPC: tests)
-}
+# HeadInfer: llama_context_params.headinfer_attn (llama.h's enum), by name
 HEADINFER_ATTN_TYPES = {
     "joined": "LLAMA_HEADINFER_ATTN_JOINED",  # one attention over the joined heads: bit-identical to frac 1.0 (default)
-    "parts": "LLAMA_HEADINFER_ATTN_PARTS",    # one attention per half, no join: the same values, another float order on CUDA
     "chunked": "LLAMA_HEADINFER_ATTN_CHUNKED",  # every layer in chunks of KV cells merged exactly: the same for every frac
 }
 # KV cells per chunk with headinfer_attn = "chunked": chunk boundaries fall on the KV cache's padding of 256 cells;
@@ -164,9 +158,10 @@ class ContextParams:
     [0, 1]) and ``headinfer_vram_budget`` (bytes or e.g. ``"24GiB"``: the
     fraction is derived from the budget when the context is created). Neither
     given: 1.0, HeadInfer off. Both given is an error, whatever the values.
-    ``headinfer_stream`` (:data:`HEADINFER_STREAM_TYPES`) says how the host
-    heads reach the device, ``headinfer_attn`` (:data:`HEADINFER_ATTN_TYPES`)
-    how a split layer's attention reads its two halves; with ``"chunked"``
+    The host heads are copied to the device one layer ahead of its attention
+    wherever the device can copy while it computes (CUDA; RPC).
+    ``headinfer_attn`` (:data:`HEADINFER_ATTN_TYPES`) says how a split layer's
+    attention reads its two halves; with ``"chunked"``
     every layer attends in chunks of ``headinfer_attn_chunk`` KV cells (a
     multiple of 256; 0 = the model's default, 32 MiB of a layer's K and V in F16:
     8192 cells for 8 KV heads of 128), merged exactly by their
@@ -188,7 +183,6 @@ class ContextParams:
     swa_full: Optional[bool] = None
     headinfer_gpu_heads_frac: Optional[float] = None
     headinfer_vram_budget: Optional[Size] = None
-    headinfer_stream: str = "gpu"
     headinfer_attn: str = "joined"
     headinfer_attn_chunk: int = 0
 
@@ -215,7 +209,6 @@ class ContextParams:
         _optional_bool("kv_unified", self.kv_unified)
         _optional_bool("swa_full", self.swa_full)
         set_(self, "offload_kqv", bool(self.offload_kqv))
-        check_choice("headinfer_stream", self.headinfer_stream, HEADINFER_STREAM_TYPES)
         check_choice("headinfer_attn", self.headinfer_attn, HEADINFER_ATTN_TYPES)
         set_(self, "headinfer_attn_chunk", check_attn_chunk(self.headinfer_attn_chunk))
         if self.headinfer_attn == "chunked" and self.flash_attn is False:

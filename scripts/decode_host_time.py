@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """How long one decode step holds the host under the HeadInfer split.
 
-    python scripts/decode_host_time.py --model M.gguf [--depth 32768] [--fracs 1,0.5,0.25] [--stream gpu,off] [--steps 32]
+    python scripts/decode_host_time.py --model M.gguf [--depth 32768] [--fracs 1,0.5,0.25] [--steps 32]
                                        [--attn chunked [--attn-chunk N]]
 
-For each fraction and ``headinfer_stream`` mode a context is filled to
+For each fraction a context is filled to
 ``--depth`` tokens, two steps are decoded to warm up (their times are the
 last column: the first steps of a new graph, e.g. CUDA graphs captured
 again, which a short benchmark such as llama-bench's tg16 counts), then ``--steps``
@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pyllama_headinfer.llama import Context, Model  # noqa: E402
-from pyllama_headinfer.params import HEADINFER_STREAM_TYPES  # noqa: E402
 
 
 def time_steps(ctx: Context, n_steps: int) -> tuple[list[float], list[float]]:
@@ -53,7 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", "-m", required=True)
     parser.add_argument("--depth", type=int, default=32768)
     parser.add_argument("--fracs", default="1,0.5,0.25")
-    parser.add_argument("--stream", default="gpu,off", help="headinfer_stream modes, comma-separated")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--ngl", type=int, default=99)
     parser.add_argument("--type", default="f16", help="KV cache type")
@@ -61,25 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     fracs = [float(f) for f in args.fracs.split(",")]
-    streams = args.stream.split(",")
-    for stream in streams:
-        if stream not in HEADINFER_STREAM_TYPES:
-            parser.error(f"--stream: {stream!r} is not one of {', '.join(HEADINFER_STREAM_TYPES)}")
 
     print(f"depth {args.depth}, {args.steps} steps, KV {args.type}, attention {args.attn}"
           f"{f' in chunks of {args.attn_chunk}' if args.attn_chunk else ''}; medians in ms")
-    print("| frac | stream | llama_decode returns | device done | host share | 1st, 2nd step after the fill |")
-    print("|---|---|---|---|---|---|")
+    print("| frac | llama_decode returns | device done | host share | 1st, 2nd step after the fill |")
+    print("|---|---|---|---|---|")
     with Model(args.model, n_gpu_layers=args.ngl) as model:
         for frac in fracs:
-            for stream in (streams if frac < 1 else streams[:1]):
-                with filled_context(model, args.depth, 2 + args.steps, args, frac, headinfer_stream=stream) as ctx:
-                    # the first steps after the fill: a new graph (e.g. CUDA graphs captured again), not in the medians
-                    _, first = time_steps(ctx, 2)
-                    host_steps, total_steps = time_steps(ctx, args.steps)
-                host, total = statistics.median(host_steps), statistics.median(total_steps)
-                print(f"| {frac:g} | {stream if frac < 1 else '-'} | {host:.2f} | {total:.2f} | {host / total:.0%} "
-                      f"| {first[0]:.2f}, {first[1]:.2f} |", flush=True)
+            with filled_context(model, args.depth, 2 + args.steps, args, frac) as ctx:
+                # the first steps after the fill: a new graph (e.g. CUDA graphs captured again), not in the medians
+                _, first = time_steps(ctx, 2)
+                host_steps, total_steps = time_steps(ctx, args.steps)
+            host, total = statistics.median(host_steps), statistics.median(total_steps)
+            print(f"| {frac:g} | {host:.2f} | {total:.2f} | {host / total:.0%} | {first[0]:.2f}, {first[1]:.2f} |",
+                  flush=True)
     return 0
 
 

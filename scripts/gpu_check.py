@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testin
 import testing_models  # noqa: E402
 from pyllama_headinfer.api.residency import kv_residency_totals  # noqa: E402
 from pyllama_headinfer.llama import Context, Model, rpc_add_server  # noqa: E402
-from pyllama_headinfer.params import HEADINFER_ATTN_TYPES, HEADINFER_STREAM_TYPES  # noqa: E402
+from pyllama_headinfer.params import HEADINFER_ATTN_TYPES  # noqa: E402
 from pyllama_headinfer.runtime.log import logger as llama_logger  # noqa: E402
 
 N_PROMPT = 40
@@ -175,13 +175,13 @@ def pipeline_problems(report: dict, base: dict) -> list[str]:
     return problems
 
 
-# how the split layers' host heads reach the device and are attended (--stream, --attn): ContextParams' names
-HEADINFER = {"headinfer_stream": "gpu", "headinfer_attn": "joined"}
+# how the split layers are attended (--attn, --attn-chunk): ContextParams' names
+HEADINFER = {"headinfer_attn": "joined"}
 
 
 def add_attn_arguments(ap: argparse.ArgumentParser) -> None:
     """--attn and --attn-chunk (ContextParams.headinfer_attn / .headinfer_attn_chunk); also used by
-    decode_host_time.py, whose --stream takes several modes."""
+    decode_host_time.py."""
     ap.add_argument("--attn", choices=tuple(HEADINFER_ATTN_TYPES), default="joined",
                     help="how split layers attend to their two halves (headinfer_attn; default joined)")
     ap.add_argument("--attn-chunk", type=int, default=0,
@@ -202,15 +202,12 @@ def filled_context(model: Model, depth: int, n_steps: int, args: argparse.Namesp
 
 
 def add_headinfer_arguments(ap: argparse.ArgumentParser) -> None:
-    """--attn, --attn-chunk and --stream (ContextParams.headinfer_attn / _attn_chunk / _stream); also used by
-    graph_splits.py."""
+    """--attn and --attn-chunk (ContextParams.headinfer_attn / _attn_chunk); also used by graph_splits.py."""
     add_attn_arguments(ap)
-    ap.add_argument("--stream", choices=tuple(HEADINFER_STREAM_TYPES), default="gpu",
-                    help="how the host heads reach the device (headinfer_stream; default gpu; any: RPC devices too)")
 
 
 def headinfer_params(args: argparse.Namespace) -> dict:
-    return {"headinfer_attn": args.attn, "headinfer_stream": args.stream, "headinfer_attn_chunk": args.attn_chunk}
+    return {"headinfer_attn": args.attn, "headinfer_attn_chunk": args.attn_chunk}
 
 
 def run(model: Model, scenario: str, frac: float, kv_type: str, prompt: list) -> tuple[list, list, dict, list]:

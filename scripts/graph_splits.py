@@ -15,8 +15,7 @@ backend as llama.cpp reports it (it includes the scheduler's staging buffer
 for streamed host inputs, patch 18), per context size. With --rpc N (a build
 with -DGGML_RPC=ON) the layers go to N local RPC servers' devices: on a
 machine without a GPU, with LLAMA_HEADINFER_FORCE_SPLIT=1, this shows how the
-scheduler copies host memory to an offload device (--stream off:
-without streaming). With --streams N the context has N sequences with one
+scheduler streams host memory to an offload device. With --streams N the context has N sequences with one
 KV stream each (kv_unified = false, llama-server's slots with -np N).
 """
 
@@ -38,8 +37,8 @@ from pyllama_headinfer.llama import Context, Model, rpc_add_server
 SPLITS_RE = re.compile(r"graph.*: nodes = (\d+)(?: / (\d+))?, splits = (\d+)(?: / (\d+))?")
 
 
-# how the split layers' host heads reach the device and are attended (--stream, --attn): ContextParams' names
-HEADINFER = {"headinfer_stream": "gpu", "headinfer_attn": "joined"}
+# how the split layers are attended (--attn, --attn-chunk): ContextParams' names
+HEADINFER = {"headinfer_attn": "joined"}
 
 
 def graph_splits(model: Model, frac: float, n_ctx: int, kv_type: str, n_streams: int = 1,

@@ -3,12 +3,12 @@
 
     python -m pyllama_headinfer build                      # CUDA build
     python scripts/plan_check.py --model b8.gguf --ctx 8192,32768,131072 --fracs 1,0.75,0.5,0.25 \\
-        [--types f16,q8_0] [--ngl 99] [--device CUDA0] [--ubatch 512] [--attn joined|chunked] [--stream gpu|any]
+        [--types f16,q8_0] [--ngl 99] [--device CUDA0] [--ubatch 512] [--attn joined|chunked]
         [--json out.json]
 
     # without a GPU: a local RPC server's device (a build with -DGGML_RPC=ON), which allocates as CUDA does
     LLAMA_HEADINFER_FORCE_SPLIT=1 PYLLAMA_HEADINFER_BUILD_DIR=<rpc build> python scripts/plan_check.py --rpc \\
-        --model b8.gguf --ctx 8192,32768 --ubatch 2048 --attn chunked --stream any
+        --model b8.gguf --ctx 8192,32768 --ubatch 2048 --attn chunked
 
 For each model, context size, KV type and fraction: ``plan_kv`` predicts the
 device's KV bytes (as CUDA allocates them), its compute buffer and the total
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ngl", type=int, default=99)
     ap.add_argument("--device", default="CUDA0", help="buffer name of the GPU in llama.cpp's log (default CUDA0)")
     ap.add_argument("--ubatch", type=int, default=512, help="n_ubatch (the compute buffer grows with it)")
-    add_headinfer_arguments(ap)  # --attn, --attn-chunk, --stream (any: RPC devices stream too)
+    add_headinfer_arguments(ap)  # --attn, --attn-chunk
     ap.add_argument("--rpc", action="store_true",
                     help="a local RPC server's device instead of a GPU (--device RPC0; a build with -DGGML_RPC=ON)")
     ap.add_argument("--json", type=Path, default=None)

@@ -5,7 +5,7 @@ their log-sum-exps (``ggml_flash_attn_ext_lse``, patch 0031). The chunks are
 the same for every head fraction, so within the mode every fraction gives
 frac 1.0's bits (``LLAMA_HEADINFER_FORCE_SPLIT=1`` splits on the CPU); against
 one attention (the joined heads) it is another float order, measured here by
-``scripts/attn_parts_compare.py --mode chunked`` and bounded, and exactly the
+``scripts/attn_chunked_compare.py`` and bounded, and exactly the
 same when the context fits in one chunk.
 """
 
@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _compare(chunk: int, depth: int) -> list[tuple[str, str]]:
     """(vs joined, vs chunked at frac 1.0) for every model x KV type x fraction of the comparison script."""
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "attn_parts_compare.py"), "--no-8b-heads",
-                          "--mode", "chunked", "--chunk", str(chunk), "--depth", str(depth), "--steps", "8",
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "attn_chunked_compare.py"), "--no-8b-heads",
+                          "--chunk", str(chunk), "--depth", str(depth), "--steps", "8",
                           "--fracs", "0.75,0.5,0.25", "--types", "f16,q8_0"],
                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, **{FORCE_SPLIT: "1"}), timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -80,11 +80,11 @@ def test_bench_cli_measures_attention_in_chunks(gguf_models, force_split, tmp_pa
     out = tmp_path / "r.json"
     rc = cli.main(["bench", "-m", str(gguf_models["llama-gqa"]), "--fracs", "1,0.5", "--depths", "600", "-n", "2",
                    "--batch", "256", "--headinfer-attn", "chunked", "--headinfer-attn-chunk", "256",
-                   "--headinfer-stream", "off", "--json", str(out), "--no-plot"])
+                   "--json", str(out), "--no-plot"])
     assert rc == 0, capsys.readouterr().err
     rows = json.loads(out.read_text())
-    assert [(r["frac"], r["headinfer_attn"], r["headinfer_attn_chunk"], r["headinfer_stream"]) for r in rows] == [
-        (1.0, "chunked", 256, "off"), (0.5, "chunked", 256, "off")]
+    assert [(r["frac"], r["headinfer_attn"], r["headinfer_attn_chunk"]) for r in rows] == [
+        (1.0, "chunked", 256), (0.5, "chunked", 256)]
     assert all(r["error"] is None and r["decode_tps"] > 0 and r["prompt_tps"] > 0 for r in rows)
     assert rows[1]["n_layers_split"] == 3
 
@@ -122,7 +122,8 @@ def test_bench_cli_a_failing_point_is_reported_and_the_rest_measured(gguf_models
     (["--headinfer-attn", "chunked", "--headinfer-attn-chunk", "300"], "multiple of 256"),
     (["--headinfer-attn-chunk", "512"], "applies to headinfer_attn='chunked' only"),
     (["--headinfer-attn", "sideways"], "invalid choice"),
-    (["--headinfer-stream", "sometimes"], "invalid choice"),
+    (["--headinfer-attn", "parts"], "invalid choice"),
+    (["--headinfer-stream", "off"], "unrecognized arguments"),
 ])
 def test_bench_cli_bad_input_is_a_usage_error(argv, message, gguf_models, capsys):
     rc = cli.main(["bench", "-m", str(gguf_models["llama-gqa"]), *argv])

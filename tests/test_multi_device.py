@@ -54,13 +54,12 @@ def rpc_env(rpc_build: Path) -> dict:
     return dict(os.environ, PYLLAMA_HEADINFER_BUILD_DIR=str(rpc_build), PYTHONPATH=str(ROOT))
 
 
-def run_split_script(rpc_build: Path, script: str, *args: str, stream: bool = True,
-                     timeout: float = 600, attn: str = "joined") -> subprocess.CompletedProcess:
-    """scripts/<script> with the RPC build, its layers split, their heads read ``attn`` (headinfer_attn)."""
+def run_split_script(rpc_build: Path, script: str, *args: str, timeout: float = 600,
+                     attn: str = "joined") -> subprocess.CompletedProcess:
+    """scripts/<script> with the RPC build, its layers split, their heads read ``attn`` (headinfer_attn). RPC devices
+    stream the host heads (caps.async_instances), so the checks run the scheduler's streamed path."""
     env = rpc_env(rpc_build)
-    # the scheduler streams host memory to RPC devices only when asked (they have no pinned host buffer type, so
-    # there is nothing to gain): headinfer_stream "any" by default, so that the checks cover the streamed path too
-    args = (*args, "--attn", attn, "--stream", "any" if stream else "off")
+    args = (*args, "--attn", attn)
     # RPC devices have no pinned host buffer type, so llama.cpp does not split their layers (the host heads would
     # cross the network at every step); the testing knob splits them anyway, to run the split on RPC devices
     env[FORCE_SPLIT] = "1"
@@ -68,8 +67,8 @@ def run_split_script(rpc_build: Path, script: str, *args: str, stream: bool = Tr
                           text=True, env=env, timeout=timeout)
 
 
-def gpu_check(rpc_build: Path, *args: str, stream: bool = True, attn: str = "joined") -> subprocess.CompletedProcess:
-    return run_split_script(rpc_build, "gpu_check.py", "--rpc", "2", "--no-8b-heads", *args, stream=stream, attn=attn)
+def gpu_check(rpc_build: Path, *args: str, attn: str = "joined") -> subprocess.CompletedProcess:
+    return run_split_script(rpc_build, "gpu_check.py", "--rpc", "2", "--no-8b-heads", *args, attn=attn)
 
 
 def run_split_child(rpc_build: Path, child: str, *args: str, sched_debug: str = "") -> str:
@@ -158,11 +157,10 @@ def test_model_placement_arguments_are_checked(llama, gguf_models):
         assert model.n_vocab > 0
 
 
-def graph_report(rpc_build: Path, model: Path, n_ctx: int, no_stream: bool,
-                 n_streams: int = 1) -> dict[float, tuple[int, int, float]]:
+def graph_report(rpc_build: Path, model: Path, n_ctx: int, n_streams: int = 1) -> dict[float, tuple[int, int, float]]:
     """frac -> (split layers, decode splits, RPC compute buffer MiB), from scripts/graph_splits.py on one RPC device."""
     run = run_split_script(rpc_build, "graph_splits.py", "--model", str(model), "--rpc", "1", "--ctx", str(n_ctx),
-                           "--fracs", "1,0.5", "--streams", str(n_streams), stream=not no_stream, timeout=300)
+                           "--fracs", "1,0.5", "--streams", str(n_streams), timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = {}
     for line in run.stdout.splitlines():
@@ -175,49 +173,35 @@ def graph_report(rpc_build: Path, model: Path, n_ctx: int, no_stream: bool,
 
 
 def test_host_heads_are_copied_one_layer_at_a_time(rpc_build, tmp_path):
-    """An offload device reads each split layer's host heads one layer at a time (streamed ahead, each layer's are a
-    group of the device's split, patch 0046; copied when their split starts, a split of their own), so the device's
-    transient memory is one layer's worth, the same for a 3- and an 8-layer model. Copying them all in one split would grow it with the layer
-    count: 8.6 GiB at 128K on an 8B model. Streamed, each layer's host stores follow its attention and are written back
-    from the device (patches 0023, 0024), so the converted rows that they store are kept for one layer at a time and do
-    not grow with the layer count either; not streamed, the stores run at the end of the graph in one host split."""
+    """An offload device reads each split layer's host heads one layer at a time, streamed ahead into the scheduler's
+    staging slots (each layer's are a group of the device's one split), so the device's transient memory is one
+    layer's worth, the same for a 3- and an 8-layer model; copying them all at once would grow it with the layer count
+    (8.6 GiB at 128K on an 8B model). Each layer's host stores follow its attention and are written back from the
+    device, so the converted rows that they store are kept for one layer at a time and do not grow with the layer
+    count either."""
     from testing_models import SPECS, with_layers, write_model
 
     models = {spec.n_layer: write_model(spec, tmp_path / spec.filename)
               for spec in (SPECS["llama-gqa"], with_layers(SPECS["llama-gqa"], 8))}
-    # one layer's K and V at 16K: 2 x 16384 x 4 heads x 64 x 2 bytes = 16 MiB, half of it in host memory: copying
-    # every layer's host half at once would add 8 MiB per layer. The converted rows that the host stores at the end of
-    # the graph keep: 512 tokens (the reserved ubatch) x 2 host heads x 64 x 2 bytes x (K, V) = 256 KiB per layer.
-    rows_mib, host_half_mib = 512 * 2 * 64 * 2 * 2 / 2**20, 8.0
+    # one layer's K and V at 16K: 2 x 16384 x 4 heads x 64 x 2 bytes = 16 MiB, half of it in host memory
     growth = {}
-    for no_stream in (False, True):
-        for n_layer, model in models.items():
-            report = graph_report(rpc_build, model, 16384, no_stream)
-            (split0, splits0, mib0), (split1, splits1, mib1) = report[1.0], report[0.5]
-            assert split0 == 0 and split1 == n_layer
-            if no_stream:
-                # a cut before each layer's host heads, the first layer's too (the scheduler's cut at the first read
-                # of host memory, patch 0017), and the host stores last
-                assert splits1 == splits0 + n_layer + 1, report
-            else:
-                # no split more: the cuts are groups of the device's split, and the scheduler writes the stores back
-                # from the device (a host split would add two)
-                assert splits1 == splits0, report
-            growth[no_stream, n_layer] = mib1 - mib0
-        assert growth[no_stream, 3] > 0 and growth[no_stream, 3] <= 3 * 16, growth
-    # not streamed, only the rows waiting for the stores at the end grow with the layers; streamed, nothing does
-    assert growth[True, 8] - growth[True, 3] <= 5 * rows_mib + 0.1, growth
-    assert growth[False, 8] == growth[False, 3], growth
-    # streamed, the host halves go to the staging buffer's two slots (outside the compute buffer's reuse): at least
-    # half a layer's host half more than when each is copied into the compute buffer as its split starts
-    assert growth[False, 3] >= growth[True, 3] + host_half_mib / 2, growth
+    for n_layer, model in models.items():
+        report = graph_report(rpc_build, model, 16384)
+        (split0, splits0, mib0), (split1, splits1, mib1) = report[1.0], report[0.5]
+        assert split0 == 0 and split1 == n_layer
+        # no split more: the layers' reads are groups of the device's split, and the scheduler writes the stores
+        # back from the device (a host split would add two)
+        assert splits1 == splits0, report
+        growth[n_layer] = mib1 - mib0
+    assert 0 < growth[3] <= 3 * 16, growth
+    assert growth[8] == growth[3], growth
 
 
 def test_host_stores_are_written_back_with_one_kv_stream_per_sequence(rpc_build, gguf_models):
     """With one KV stream per sequence (kv_unified = false, llama-server's -np N) the host stores are written back from
     the device too: no host split, as with one stream (the rows of each stream are written into the joined heads at
     their own indices, which the exactness checks of several streams in test_kv_features verify)."""
-    report = graph_report(rpc_build, gguf_models["llama-gqa"], 4096, False, n_streams=2)
+    report = graph_report(rpc_build, gguf_models["llama-gqa"], 4096, n_streams=2)
     (split0, splits0, _), (split1, splits1, _) = report[1.0], report[0.5]
     assert split0 == 0 and split1 == 3
     assert splits1 == splits0, report  # the layers' reads are groups of the device's split (0046)
@@ -229,7 +213,7 @@ def test_sliding_window_layers_read_their_host_heads_in_groups_of_their_own(rpc_
     group copies one layer's K and V, and the groups add no split. (A cut by bytes, at most two of the graph's largest
     inputs per split, copied several small layers' heads with a global layer's K, and their attention waited for
     it.)"""
-    report = graph_report(rpc_build, gguf_models["gemma3-iswa"], 4096, False)
+    report = graph_report(rpc_build, gguf_models["gemma3-iswa"], 4096)
     (split0, splits0, _), (split1, splits1, _) = report[1.0], report[0.5]
     assert split0 == 0 and split1 == 4
     assert splits1 == splits0, report
@@ -254,7 +238,7 @@ from pyllama_headinfer.runtime.log import capture_log
 seqs = [int(s) for s in sys.argv[2].split(",")]
 with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
     with Context(model, n_ctx=1024 * (max(seqs) + 1), n_seq_max=max(seqs) + 1, kv_unified=False, flash_attn=True,
-                 n_batch=64, headinfer_gpu_heads_frac=0.5, headinfer_stream="any") as ctx:
+                 n_batch=64, headinfer_gpu_heads_frac=0.5) as ctx:
         for i, seq in enumerate(seqs):
             ctx.decode(list(range(10, 50 - 20 * (i % 2))), seq_id=seq)
         with capture_log() as log:
@@ -276,7 +260,7 @@ with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rp
     for attn, frac in (("chunked", 1.0), ("chunked", 0.5), ("joined", 0.5)):
         kw = dict(headinfer_attn_chunk=256) if attn == "chunked" else {}
         with capture_log() as log, Context(model, n_ctx=1024, n_batch=256, n_ubatch=256, flash_attn=True,
-                                           headinfer_gpu_heads_frac=frac, headinfer_stream="any",
+                                           headinfer_gpu_heads_frac=frac,
                                            headinfer_attn=attn, **kw) as ctx:
             ctx.decode([10 + i % 500 for i in range(600)])  # 600 cells: three chunks of 256 per layer
             steps = []
@@ -320,7 +304,7 @@ from pyllama_headinfer.llama import Context, Model, rpc_add_server
 from pyllama_headinfer.runtime.log import capture_log
 with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
     with Context(model, n_ctx=1024, n_batch=256, n_ubatch=256, flash_attn=True, headinfer_gpu_heads_frac=0.5,
-                 headinfer_stream="any", headinfer_attn="chunked", headinfer_attn_chunk=256) as ctx:
+                 headinfer_attn="chunked", headinfer_attn_chunk=256) as ctx:
         ctx.decode([10 + i % 500 for i in range(600)])  # 600 cells: three chunks of 256 per layer
         with capture_log() as log:
             ctx.decode([7])
@@ -354,7 +338,7 @@ with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rp
             for frac in (1.0, 0.5):
                 kw = dict(headinfer_attn_chunk=256) if attn == "chunked" else {}
                 with capture_log() as log, Context(model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, flash_attn=True,
-                                                   headinfer_gpu_heads_frac=frac, headinfer_stream="any",
+                                                   headinfer_gpu_heads_frac=frac,
                                                    headinfer_attn=attn, **kw):
                     pass
                 sizes = compute_buffers_mib(log)
@@ -391,7 +375,7 @@ with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rp
         steps = {}
         for frac in (1.0, 0.5):
             with capture_log() as log, Context(model, n_ctx=n_ctx, n_batch=512, n_ubatch=64, flash_attn=True,
-                                               headinfer_gpu_heads_frac=frac, headinfer_stream="any",
+                                               headinfer_gpu_heads_frac=frac,
                                                headinfer_attn="chunked") as ctx:
                 ctx.decode(prompt)
                 _, steps[frac] = greedy_steps(ctx, 4)
@@ -438,7 +422,7 @@ with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rp
     for attn in ("chunked", "joined"):
         for frac in (1.0, 0.5, 0.25):
             with capture_log() as log, Context(model, n_ctx=int(sys.argv[2]), n_batch=2048, n_ubatch=n_ubatch,
-                                               flash_attn=True, headinfer_gpu_heads_frac=frac, headinfer_stream="any",
+                                               flash_attn=True, headinfer_gpu_heads_frac=frac,
                                                headinfer_attn=attn):
                 pass
             sizes = compute_buffers_mib(log)
@@ -613,8 +597,7 @@ from pyllama_headinfer.llama import Context, Model, rpc_add_server
 from pyllama_headinfer.runtime.log import capture_log
 with rpc_servers(2) as endpoints, \
         Model(sys.argv[1], n_gpu_layers=99, devices=[d for e in endpoints for d in rpc_add_server(e)]) as model:
-    with Context(model, n_ctx=1024, flash_attn=True, n_batch=64, headinfer_gpu_heads_frac=0.5,
-                 headinfer_stream="any") as ctx:
+    with Context(model, n_ctx=1024, flash_attn=True, n_batch=64, headinfer_gpu_heads_frac=0.5) as ctx:
         ctx.decode(list(range(10, 50)))
         with capture_log() as log:
             ctx.decode([7])
@@ -684,8 +667,7 @@ from gpu_check import rpc_servers
 from pyllama_headinfer.llama import Context, Model, rpc_add_server
 with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
     p1, p2 = list(range(10, 50)), list(range(60, 100))  # same length: the same graphs
-    with Context(model, n_ctx=512, flash_attn=True, n_batch=64, headinfer_gpu_heads_frac=0.5,
-                 headinfer_stream="any") as ctx:
+    with Context(model, n_ctx=512, flash_attn=True, n_batch=64, headinfer_gpu_heads_frac=0.5) as ctx:
         ctx.decode(p1)
         state = ctx.save_state()
         ctx.decode([7])
@@ -732,12 +714,6 @@ def test_scheduler_streaming_test(rpc_build, tmp_path):
     assert "device: RPC0" in run.stdout
 
 
-def test_layer_split_is_bit_exact_without_streaming(rpc_build):
-    """The same bytes reach the device when the scheduler copies the host heads as each split starts."""
-    run = gpu_check(rpc_build, "--types", "f16", "--fracs", "0.5", stream=False)
-    assert run.returncode == 0 and run.stdout.rstrip().endswith("all checks passed"), run.stdout[-3000:] + run.stderr[-2000:]
-
-
 def test_layer_split_is_bit_exact_in_chunks(rpc_build):
     """headinfer_attn="chunked" on two RPC devices (patch 0037 lets them run it): greedy decoding, a state saved and
     read, a K-shift, two KV streams and a cache filled to its last cell (whose last chunk ends the cache: its spare
@@ -766,10 +742,3 @@ def test_quantized_weights_stream_bit_exact(rpc_build, gguf_models, tmp_path):
         out = run.stdout
         assert run.returncode == 0 and out.rstrip().endswith("all checks passed"), attn + out[-3000:] + run.stderr[-2000:]
         assert sum(x.startswith("ok   llama-gqa-q4_k_m") for x in out.splitlines()) == 2 * 4, out[-3000:]
-
-
-def test_layer_split_is_bit_exact_attending_per_part(rpc_build):
-    """headinfer_attn="parts" (patch 0020): the resident heads on the device where they live, the streamed host
-    heads where they were staged, one attention each; the CPU backend of the RPC devices gives the same bits."""
-    run = gpu_check(rpc_build, "--types", "f16,q8_0", "--fracs", "0.5", attn="parts")
-    assert run.returncode == 0 and run.stdout.rstrip().endswith("all checks passed"), run.stdout[-3000:] + run.stderr[-2000:]

@@ -65,3 +65,12 @@ def test_one_kv_type_table_for_api_and_planner():
 
     assert not hasattr(context, "KV_CACHE_TYPES") or context.KV_CACHE_TYPES is KV_CACHE_TYPES
     assert memory.KV_CACHE_TYPES is KV_CACHE_TYPES
+
+
+@pytest.mark.parametrize("value", ["parts", "part", "JOINED", 1, None])
+def test_an_unknown_attention_mode_is_a_value_error(value):
+    """joined and chunked are the modes; the attention per part and the streaming switch are gone from llama.h."""
+    with pytest.raises(ValueError, match="headinfer_attn must be one of 'joined', 'chunked'"):
+        ContextParams(headinfer_attn=value)
+    with pytest.raises(TypeError, match="headinfer_stream"):
+        ContextParams(headinfer_stream="off")

@@ -45,7 +45,6 @@ class BenchPoint:
     vram_budget: Optional[str] = None
     headinfer_attn: str = "joined"  # how split layers attend (ContextParams.headinfer_attn)
     headinfer_attn_chunk: int = 0  # KV cells per chunk with headinfer_attn "chunked" (0: the model's default)
-    headinfer_stream: str = "gpu"  # how the host heads reach the device (ContextParams.headinfer_stream)
 
     @property
     def kv(self) -> str:
@@ -81,12 +80,11 @@ class BenchResult:
 
 def sweep_points(fracs: Sequence[float], depths: Sequence[int], kv_types: Sequence[tuple[str, str]],
                  vram_budget: Optional[str] = None, headinfer_attn: str = "joined",
-                 headinfer_attn_chunk: int = 0, headinfer_stream: str = "gpu") -> list[BenchPoint]:
-    """frac x depth x KV type (or budget x depth x KV type), in that nesting order, all with one attention mode
-    and one way of streaming."""
+                 headinfer_attn_chunk: int = 0) -> list[BenchPoint]:
+    """frac x depth x KV type (or budget x depth x KV type), in that nesting order, all with one attention mode."""
     outer: Iterable = [None] if vram_budget is not None else fracs
     return [BenchPoint(depth=d, type_k=k, type_v=v, frac=f, vram_budget=vram_budget, headinfer_attn=headinfer_attn,
-                       headinfer_attn_chunk=headinfer_attn_chunk, headinfer_stream=headinfer_stream)
+                       headinfer_attn_chunk=headinfer_attn_chunk)
             for (k, v) in kv_types for d in depths for f in outer]
 
 
@@ -121,7 +119,7 @@ def run_point(model, point: BenchPoint, *, n_gen: int = 32, n_batch: int = 512, 
     params = ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads, flash_attn=True,
                            type_k=point.type_k, type_v=point.type_v, headinfer_gpu_heads_frac=point.frac,
                            headinfer_vram_budget=point.vram_budget, headinfer_attn=point.headinfer_attn,
-                           headinfer_attn_chunk=point.headinfer_attn_chunk, headinfer_stream=point.headinfer_stream)
+                           headinfer_attn_chunk=point.headinfer_attn_chunk)
     with Context(model, params) as ctx:
         report = ctx.kv_residency()
         ctx.decode([token])  # warm-up, untimed: the first decode of a context allocates and builds its graphs

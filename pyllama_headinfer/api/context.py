@@ -21,7 +21,7 @@ from pyllama_headinfer.api.residency import kv_residency_totals, read_kv_residen
 from pyllama_headinfer.api.sequences import Sequences
 from pyllama_headinfer.api.state import StateIO
 from pyllama_headinfer.errors import ContextError, HeadInferWarning
-from pyllama_headinfer.params import HEADINFER_ATTN_TYPES, HEADINFER_STREAM_TYPES, ContextParams, format_bytes
+from pyllama_headinfer.params import HEADINFER_ATTN_TYPES, ContextParams, format_bytes
 from pyllama_headinfer.runtime.log import capture_log, checked_call
 from pyllama_headinfer.vram.plan import Plan, plan_for_context, plan_kv
 
@@ -120,7 +120,6 @@ class Context(Decoding, Sequences, StateIO, Handle):
         if params.swa_full is not None:
             p.swa_full = params.swa_full
         p.headinfer_gpu_heads_frac = frac
-        p.headinfer_stream = getattr(lib, HEADINFER_STREAM_TYPES[params.headinfer_stream])
         p.headinfer_attn = getattr(lib, HEADINFER_ATTN_TYPES[params.headinfer_attn])
         p.headinfer_attn_chunk = params.headinfer_attn_chunk
         if params.n_ctx > max(model.n_ctx_train, _HUGE_N_CTX):

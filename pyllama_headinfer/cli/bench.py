@@ -2,7 +2,7 @@
 
     python -m pyllama_headinfer bench --model M.gguf [--fracs 1,0.75,0.5,0.25 | --vram-budget 24GiB] \\
         [--depths 4096,32768] [--types f16,q8_0] [-n 32] [--repeat 1] [--ngl 99] [--json out.json] [--plot out.png] \\
-        [--headinfer-attn chunked [--headinfer-attn-chunk CELLS]] [--headinfer-stream gpu|off|any]
+        [--headinfer-attn chunked [--headinfer-attn-chunk CELLS]]
 
 For each point: prompt (prefill) and decode tokens/s, and the KV MiB in the
 layers' own buffers (the GPU's when offloaded) and in the HeadInfer host halves
@@ -197,8 +197,7 @@ def run(args: argparse.Namespace) -> int:
 
     # a bad chunk (not a multiple of 256, or given without chunks) is a ValueError naming it, before any model loads
     ContextParams(headinfer_attn=args.headinfer_attn, headinfer_attn_chunk=args.headinfer_attn_chunk)
-    points = sweep_points(fracs, depths, kv_types, args.vram_budget, args.headinfer_attn, args.headinfer_attn_chunk,
-                          args.headinfer_stream)
+    points = sweep_points(fracs, depths, kv_types, args.vram_budget, args.headinfer_attn, args.headinfer_attn_chunk)
     with Model(args.model, n_gpu_layers=args.ngl) as model:
         log.info("model: %s (%s), %d points, split layers attend %s", model.path.name, model.description,
                  len(points), "in chunks" if args.headinfer_attn == "chunked" else f"as {args.headinfer_attn!r}")

@@ -72,8 +72,7 @@ def context_params(args: argparse.Namespace) -> ContextParams:
                          flash_attn=args.flash_attn, type_k=args.cache_type_k or "f16",
                          type_v=args.cache_type_v or "f16", headinfer_gpu_heads_frac=args.frac,
                          headinfer_vram_budget=args.vram_budget, headinfer_attn=args.headinfer_attn,
-                         headinfer_attn_chunk=args.headinfer_attn_chunk,
-                         headinfer_stream=args.headinfer_stream)
+                         headinfer_attn_chunk=args.headinfer_attn_chunk)
 
 
 def kv_type_for_budget(model: Model, params: ContextParams, args: argparse.Namespace) -> str:

@@ -1,12 +1,11 @@
-"""Options that several commands share, defined once: how split layers attend and stream
-(``--headinfer-attn``, ``--headinfer-attn-chunk``, ``--headinfer-stream``; ContextParams' fields
-of the same names)."""
+"""Options that several commands share, defined once: how split layers attend
+(``--headinfer-attn``, ``--headinfer-attn-chunk``; ContextParams' fields of the same names)."""
 
 from __future__ import annotations
 
 import argparse
 
-from pyllama_headinfer.params import HEADINFER_ATTN_TYPES, HEADINFER_STREAM_TYPES
+from pyllama_headinfer.params import HEADINFER_ATTN_TYPES
 
 
 # --headinfer-attn-chunk, here and in plan
@@ -17,11 +16,8 @@ ATTN_CHUNK_HELP = ("KV cells per chunk with --headinfer-attn chunked, a multiple
 def add_headinfer_mode_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--headinfer-attn", choices=tuple(HEADINFER_ATTN_TYPES), default="joined",
                         help="HeadInfer: how a split layer's attention reads its two halves: joined (bit-identical "
-                             "to frac 1.0; default), parts (no join, another float order on CUDA) or chunked "
-                             "(every layer in chunks of KV cells merged exactly, the same at every fraction; "
+                             "to frac 1.0; default) or chunked (every layer in chunks of KV cells merged exactly, the "
+                             "same at every fraction, one chunk of a layer's host heads on the device at a time; "
                              "another float order than joined)")
     parser.add_argument("--headinfer-attn-chunk", type=int, default=0, metavar="CELLS",
                         help="HeadInfer: " + ATTN_CHUNK_HELP)
-    parser.add_argument("--headinfer-stream", choices=tuple(HEADINFER_STREAM_TYPES), default="gpu",
-                        help="HeadInfer: copy the host heads one layer ahead on CUDA/HIP GPUs (gpu, default), when "
-                             "their layer starts (off), or ahead on any async device (any: RPC, for tests)")

@@ -168,16 +168,8 @@ typedef struct llama_model_quantize_params {
     ...;
 } llama_model_quantize_params;
 
-enum llama_headinfer_stream_type {
-    LLAMA_HEADINFER_STREAM_OFF,
-    LLAMA_HEADINFER_STREAM_GPU,
-    LLAMA_HEADINFER_STREAM_ANY,
-    ...
-};
-
 enum llama_headinfer_attn_type {
     LLAMA_HEADINFER_ATTN_JOINED,
-    LLAMA_HEADINFER_ATTN_PARTS,
     LLAMA_HEADINFER_ATTN_CHUNKED,
     ...
 };
@@ -191,7 +183,6 @@ struct llama_context_params {
     int32_t  n_threads_batch;
     enum llama_flash_attn_type flash_attn_type;
     float    headinfer_gpu_heads_frac;   /* HeadInfer (patch series) */
-    enum llama_headinfer_stream_type headinfer_stream;
     enum llama_headinfer_attn_type   headinfer_attn;
     uint32_t headinfer_attn_chunk;
     enum ggml_type type_k;

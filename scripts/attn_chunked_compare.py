@@ -1,32 +1,20 @@
 #!/usr/bin/env python3
-"""How far is the attention per part (headinfer_attn="parts"), or in chunks, from the joined heads?
+"""How far is the attention in chunks (headinfer_attn="chunked") from one attention over the joined heads?
 
-    python scripts/attn_parts_compare.py [--fracs 0.75,0.5,0.25] [--types f16,q8_0] [--steps 32] [--ngl 99]
-                                         [--depth 48] [--no-8b-heads] [--no-cuda-fusion]
-                                         [--mode parts|chunked] [--chunk 256]
+    python scripts/attn_chunked_compare.py [--fracs 0.75,0.5,0.25] [--types f16,q8_0] [--steps 32] [--ngl 99]
+                                           [--depth 48] [--no-8b-heads] [--no-cuda-fusion] [--chunk 256]
 
-A split layer attends to its heads either joined (one K and V, the default:
-bit-identical to the unsplit cache on every backend) or per part (patch 0019:
-the resident heads where they live, the host heads where they were staged,
-two attentions whose outputs are joined). The values are the same; a backend
-whose flash attention partitions its work by the number of heads may sum in
-another order. For every GPU check model (the test models and the one with
-Llama-3-8B's attention geometry) x KV type x fraction: a greedy decode with
-the joined heads, then the same tokens decoded with the heads per part (so
-every step sees the same context), and prints the largest |delta logit| over
-all steps and vocabulary, and the share of steps whose greedy token agrees.
-Also how each compares with the same mode at frac 1.0. --depth sets the prompt
-length (the test corpus repeated): a backend may partition its attention
-differently at long contexts, where a KV length of many tiles leaves room for
-it. Exit status 0 whatever the difference (a measurement, not a check); 1 only
-if something failed to run. On the CPU (LLAMA_HEADINFER_FORCE_SPLIT=1) every
-difference is 0.
-
---mode chunked (headinfer_attn="chunked", --chunk KV cells per chunk) attends
-every layer in chunks merged by their log-sum-exps: the first column is then its
-difference to the joined heads (stock attention, another float order once the
-context holds more than one chunk: set --depth above --chunk), the second to
-chunked at frac 1.0, which must be 0 on every backend.
+In chunked mode every layer attends in chunks of --chunk KV cells, merged by
+their log-sum-exps. For every GPU check model (the test models and the one
+with Llama-3-8B's attention geometry) x KV type x fraction: a greedy decode
+with the joined heads at frac 1.0, then the same tokens decoded joined and in
+chunks at the fraction (so every step sees the same context). Each row prints
+the chunks' difference to one attention (stock attention, another float order
+once the context holds more than one chunk: set --depth above --chunk: the
+largest |delta logit| over all steps and vocabulary, and the share of steps
+whose greedy token agrees), then to chunked at frac 1.0, which must be 0 on
+every backend. Exit status 0 whatever the difference (a measurement, not a
+check); 1 only if something failed to run.
 """
 
 from __future__ import annotations
@@ -48,10 +36,7 @@ import testing_models  # noqa: E402
 from pyllama_headinfer.llama import Context, Model  # noqa: E402
 from pyllama_headinfer.runtime.log import capture_log  # noqa: E402
 
-MODE_LOGS = {  # llama.cpp's line when the mode is on
-    "parts": "attend to their resident and host heads separately",
-    "chunked": "every layer attends in chunks of",
-}
+CHUNKED_LOG = "every layer attends in chunks of"  # llama.cpp's line when chunked mode is on
 N_PROMPT = 48
 
 
@@ -62,11 +47,10 @@ def decode(model: Model, frac: float, kv_type: str, mode: str, prompt: list[int]
     with capture_log() as log, Context(model, n_ctx=n_ctx, n_batch=512, flash_attn=True, type_k=kv_type,
                                        type_v=kv_type, headinfer_gpu_heads_frac=frac, headinfer_attn=mode,
                                        headinfer_attn_chunk=chunk if mode == "chunked" else 0) as ctx:
-        for other, line in MODE_LOGS.items():
-            said = any(line in text for _, text in log)
-            if said != (mode == other and (other != "parts" or frac < 1)):  # parts: where a layer is split only
-                raise RuntimeError(f"headinfer_attn={mode}, frac {frac}: llama.cpp's log {'says' if said else 'does not say'}"
-                                   f" that {other} is on (no layer split?)")
+        said = any(CHUNKED_LOG in text for _, text in log)
+        if said != (mode == "chunked"):
+            raise RuntimeError(f"headinfer_attn={mode}, frac {frac}: llama.cpp's log {'says' if said else 'does not say'}"
+                               f" that chunked mode is on")
         for i in range(0, len(prompt), 512):
             ctx.decode(prompt[i:i + 512])
         logits = [ctx.logits(-1)]
@@ -95,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-8b-heads", dest="with_8b_heads", action="store_false",
                     help="skip the model with Llama-3-8B's attention geometry")
     ap.add_argument("--no-cuda-fusion", action="store_true", help="set GGML_CUDA_DISABLE_FUSION=1 (docs/GPU.md)")
-    ap.add_argument("--mode", choices=tuple(MODE_LOGS), default="parts", help="the attention compared (default parts)")
-    ap.add_argument("--chunk", type=int, default=256, help="KV cells per chunk with --mode chunked (default 256)")
+    ap.add_argument("--chunk", type=int, default=256, help="KV cells per chunk (default 256)")
     args = ap.parse_args(argv)
     if args.depth < 1 or args.steps < 0:
         ap.error("--depth must be at least 1 and --steps at least 0")
@@ -108,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = testing_models.write_test_models(models_dir)
     if args.with_8b_heads:
         paths.update(testing_models.ensure_gpu_models(models_dir, ["llama-8b-heads"]))
-    print(f"{'model':<16} {'kv':<5} {'frac':>5}  {args.mode} vs joined / {args.mode} vs {args.mode} at frac 1.0")
+    print(f"{'model':<16} {'kv':<5} {'frac':>5}  chunked vs joined / chunked vs chunked at frac 1.0")
     try:
         compare_models(paths, args)
     except RuntimeError as exc:
@@ -124,13 +107,11 @@ def compare_models(paths: dict[str, Path], args) -> None:
             prompt = (corpus * (args.depth // len(corpus) + 1))[:args.depth]
             for kv_type in args.types.split(","):
                 base_tokens, base = decode(model, 1.0, kv_type, "joined", prompt, args.steps)
-                # parts at frac 1.0 is the joined heads: nothing is split
-                mode_base = base if args.mode == "parts" else \
-                    decode(model, 1.0, kv_type, args.mode, prompt, args.steps, base_tokens, args.chunk)[1]
+                chunked_base = decode(model, 1.0, kv_type, "chunked", prompt, args.steps, base_tokens, args.chunk)[1]
                 for frac in (float(f) for f in args.fracs.split(",")):
                     _, joined = decode(model, frac, kv_type, "joined", prompt, args.steps, base_tokens)
-                    _, got = decode(model, frac, kv_type, args.mode, prompt, args.steps, base_tokens, args.chunk)
-                    print(f"{name:<16} {kv_type:<5} {frac:>5g}  {compare(joined, got)} / {compare(mode_base, got)}"
+                    _, got = decode(model, frac, kv_type, "chunked", prompt, args.steps, base_tokens, args.chunk)
+                    print(f"{name:<16} {kv_type:<5} {frac:>5g}  {compare(joined, got)} / {compare(chunked_base, got)}"
                           f"{'' if np.array_equal(joined, base) else ' (joined differs from frac 1.0)'}", flush=True)
 
 
