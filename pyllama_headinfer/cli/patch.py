@@ -2,7 +2,11 @@
 manager (:mod:`pyllama_headinfer.patches`) on a llama.cpp tree, or with
 ``--series llama-cpp-python`` the second series (``patches/llama-cpp-python``)
 on the Python layer of the llama-cpp-python sdist (``--llama-src``: e.g. the
-tree ``build --llama-cpp-python`` leaves in ``build/<config>/llama-cpp-python/src``)."""
+tree ``build --llama-cpp-python`` leaves in ``build/<config>/llama-cpp-python/src``).
+
+A tree given for the C series that is not a llama.cpp tree (it lacks one of
+:data:`~pyllama_headinfer.source.fetch.LLAMA_CPP_KEY_FILES`) is refused with
+exit 2 before any work."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from pyllama_headinfer.patches.retarget import (drift, is_other_tree, pin_of_tre
 from pyllama_headinfer.patches.series import load_series
 from pyllama_headinfer.patches.status import State, status
 from pyllama_headinfer.series import series_dir
-from pyllama_headinfer.source.fetch import LLAMA_SRC_ENV, locate_tree
+from pyllama_headinfer.source.fetch import LLAMA_CPP_KEY_FILES, LLAMA_SRC_ENV, locate_tree, require_llama_tree
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             sub.add_argument("--patches-dir", metavar="DIR", help=f"the series to re-target (default: {paths.patches_dir()})")
             continue
         target = "the git checkout to export from" if name == "export" else "the llama.cpp tree"
-        sub.add_argument("--llama-src", metavar="PATH", help=f"{target} (default: the cached tree)")
+        sub.add_argument("--llama-src", metavar="PATH",
+                         help=f"{target} (default: the cached tree); for the C series it must hold "
+                              f"{', '.join(LLAMA_CPP_KEY_FILES)}")
         sub.add_argument("--patches-dir", metavar="DIR", help=f"series directory (default: {paths.patches_dir()}, "
                          f"or {paths.python_patches_dir()} with --series {paths.PYTHON_SERIES})")
         sub.add_argument("--series", choices=SERIES, default=SERIES[0],
@@ -69,14 +75,14 @@ def _rebase(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         onto = pin.PINS.get(args.onto)
         if onto is None and Path(args.onto).is_dir():
-            onto = pin_of_tree(locate_tree(args.onto))  # a pin's tree, maybe carrying its series: its pristine files
+            onto = pin_of_tree(require_llama_tree(locate_tree(args.onto)))  # a pin's tree, maybe carrying its series: its pristine files
         if onto is not None:
             # its pristine files (its cached tree may carry its own series)
             tree = stack.enter_context(pristine_files_of_pin(onto, load_series(source_dir).touched))
             out = Path(args.out) if args.out else paths.patches_root() / onto.build
             target = f"llama.cpp {onto.build} ({onto.commit or 'tree ' + onto.tree})"
         else:
-            tree = locate_tree(args.onto)
+            tree = require_llama_tree(locate_tree(args.onto))
             if not args.out:
                 raise UsageError("--out is needed when --onto is a directory (it names no pin)")
             out, target = Path(args.out), f"the llama.cpp tree {tree}"
@@ -89,6 +95,13 @@ def _rebase(args: argparse.Namespace) -> int:
               f"each commit, `patch export --llama-src CHECKOUT --patches-dir {out} --base <tree commit>`, then run "
               "this rebase again to record the resolutions")
     return EXIT_OK if report.ok else EXIT_FAILURE
+
+
+def _tree(llama_src, python_layer: bool) -> Path:
+    """The tree to work on; for the C series it must be a llama.cpp tree (exit 2 otherwise: see
+    :func:`require_llama_tree`), the Python layer's is checked against its own listing."""
+    tree = locate_tree(llama_src)
+    return tree if python_layer else require_llama_tree(tree)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,10 +117,10 @@ def run(args: argparse.Namespace) -> int:
     if action == "export":
         if not args.llama_src and not os.environ.get(LLAMA_SRC_ENV):
             raise UsageError("export needs --llama-src: a git checkout whose commits on top of the pin are the series")
-        names = export(locate_tree(args.llama_src), patches_dir, base=args.base, pristine=pristine)
+        names = export(_tree(args.llama_src, python_layer), patches_dir, base=args.base, pristine=pristine)
         print(f"exported {len(names)} patches to {series_dir(patches_dir)}")
         return EXIT_OK
-    tree = locate_tree(args.llama_src)
+    tree = _tree(args.llama_src, python_layer)
     if action == "status":
         report = status(tree, patches_dir, pristine=pristine)
         print(f"{tree}: {report.describe()}")

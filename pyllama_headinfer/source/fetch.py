@@ -436,6 +436,29 @@ def ensure_source(llama_src: Optional[PathLike] = None, *, allow_unverified: boo
     return _fetch_into_cache([f"cached tree: none at {cached}"])
 
 
+# What makes a directory a llama.cpp tree, for the commands that work on one (``patch
+# check|apply|revert|status|export|rebase`` on the C series): these files, which every llama.cpp
+# of the layout since mid-2024 has (ggml in ggml/, the library in src/, its header in include/;
+# every pin and the trees a series is re-targeted to). A tree missing any of them is bad input
+# (exit 2) before any work: without it, a wrong --llama-src (an empty directory, a project's
+# own checkout) is "another llama.cpp" to the 3-way drift report, whose every patch then meets a
+# tree without its files. The pin's identity is a different question (``verify_tree``).
+LLAMA_CPP_KEY_FILES = ("CMakeLists.txt", "include/llama.h", "ggml/include/ggml.h", "src/llama.cpp")
+
+
+def missing_key_files(tree: PathLike) -> List[str]:
+    """The :data:`LLAMA_CPP_KEY_FILES` that ``tree`` lacks ([] for a llama.cpp tree)."""
+    return [relative for relative in LLAMA_CPP_KEY_FILES if not (Path(tree) / relative).is_file()]
+
+
+def require_llama_tree(tree: PathLike) -> Path:
+    """``tree`` when it is a llama.cpp tree (see :data:`LLAMA_CPP_KEY_FILES`), else a UsageError."""
+    missing = missing_key_files(tree)
+    if missing:
+        raise UsageError(f"{tree} is not a llama.cpp tree: it has no {', '.join(missing)}")
+    return Path(tree)
+
+
 def locate_tree(llama_src: Optional[PathLike] = None) -> Path:
     """The tree a command should work on, without judging its state.
 
