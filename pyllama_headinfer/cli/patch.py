@@ -1,4 +1,4 @@
-"""``pyllama-headinfer patch check|apply|revert|status|export|rebase``: the patch
+"""``pyllama-headinfer patch check|apply|revert|status|export|rebase|lint``: the patch
 manager (:mod:`pyllama_headinfer.patches`) on a llama.cpp tree, or with
 ``--series llama-cpp-python`` the second series (``patches/llama-cpp-python``)
 on the Python layer of the llama-cpp-python sdist (``--llama-src``: e.g. the
@@ -6,12 +6,16 @@ tree ``build --llama-cpp-python`` leaves in ``build/<config>/llama-cpp-python/sr
 
 A tree given for the C series that is not a llama.cpp tree (it lacks one of
 :data:`~pyllama_headinfer.source.fetch.LLAMA_CPP_KEY_FILES`) is refused with
-exit 2 before any work."""
+exit 2 before any work.
+
+``patch lint`` checks the series' shape (:mod:`pyllama_headinfer.patches.lint`):
+size, churn, message, author and AI-usage disclosure of each patch."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -20,6 +24,7 @@ from pyllama_headinfer.errors import EXIT_FAILURE, EXIT_OK, UsageError
 from pyllama_headinfer.patches.apply import apply, revert
 from pyllama_headinfer.patches.check import check
 from pyllama_headinfer.patches.export import export
+from pyllama_headinfer.patches.lint import MAX_ADDED_OUTSIDE_TESTS, lint
 from pyllama_headinfer.patches.retarget import (drift, is_other_tree, pin_of_tree, pristine_files_of_pin,
                                                 pristine_pin_files, rebase)
 from pyllama_headinfer.patches.series import load_series
@@ -38,9 +43,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "status": "PRISTINE, APPLIED, PARTIAL or MODIFIED (exit 1 for the last two)",
         "export": "rewrite the series from a git checkout's commits on top of the pin",
         "rebase": "re-target the series onto another llama.cpp tree (3-way), into a new directory",
+        "lint": "check that the series reads as upstream pull requests: size, churn, messages, authors "
+                "(read-only; exit 1 when a patch fails)",
+    }
+    descriptions = {
+        "lint": f"""Check that the series reads as a set of upstream pull requests, not a history. Per patch:
+            its added lines outside tests/ and in them (FAIL above {MAX_ADDED_OUTSIDE_TESTS} outside tests); its
+            churn, the lines it adds that a later patch removes again (FAIL on any; counted by replaying the series
+            on the pin's files, checked against git apply); its message (subject and body), which must not name
+            project issues (#N, issue N; upstream's are written ggml-org/llama.cpp#N, PR #N or upstream #N), the
+            series as a history (this series, the previous/earlier/later/next patch|change|commit), GPU models as
+            evidence (H100, A100, RTX ...), pyllama, the headinfer project or CI; its From:, a name and an email
+            of a real domain (no reserved placeholder: example.com, *.example, invalid, localhost, test); and
+            llama.cpp's AI-usage disclosure, a line "AI usage disclosure: YES ... / NO". One line per patch and a
+            summary; exit 0 when every patch passes, 1 when one fails, 2 for bad usage.""",
     }
     for name, text in helps.items():
-        sub = actions.add_parser(name, help=text, description=text)
+        sub = actions.add_parser(name, help=text, description=" ".join(descriptions.get(name, text).split()))
+        if name == "lint":
+            sub.add_argument("--patches-dir", metavar="DIR",
+                             help=f"the series to check (default: {paths.patches_dir()}); it is replayed on the "
+                                  "files of the active pin (--pin)")
+            sub.add_argument("--json", action="store_true", help="print the report as JSON")
+            continue
         if name == "rebase":
             sub.add_argument("--onto", metavar="TREE", required=True,
                              help=f"the llama.cpp tree to re-target to: a directory, or a pin ({', '.join(pin.PINS)}) "
@@ -108,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
     action = args.patch_action
     if action == "rebase":
         return _rebase(args)
+    if action == "lint":
+        report = lint(args.patches_dir)
+        print(json.dumps(report.as_dict(), indent=1) if args.json else report.describe())
+        return EXIT_OK if report.ok else EXIT_FAILURE
     python_layer = args.series == paths.PYTHON_SERIES
     patches_dir = args.patches_dir or (paths.python_patches_dir() if python_layer else None)
     pristine = pin.python_layer_files() if python_layer else None
