@@ -191,6 +191,11 @@ BASE_FILES = {
     "src/util.c": "".join(f"int util_{n} = {n};\n" for n in range(20)),
     "tools/run.sh": "#!/bin/sh\necho run\n",
     "docs/old.txt": "obsolete\n",
+    # what makes it a llama.cpp tree to the patch commands (fetch.LLAMA_CPP_KEY_FILES)
+    "CMakeLists.txt": "project(fake-llama)\n",
+    "include/llama.h": "int llama_fake(void);\n",
+    "ggml/include/ggml.h": "int ggml_fake(void);\n",
+    "src/llama.cpp": "int llama_fake(void) { return 0; }\n",
 }
 PATCH1 = {  # "core: split heads"
     "src/core.c": _core_lines({3: "int core_03 = 300; /* split */", 15: None, 26: "int core_26 = 2600; /* split */"}),

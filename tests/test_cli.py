@@ -101,6 +101,26 @@ def test_a_missing_llama_src_is_a_usage_error(fake_pin, tmp_path, capsys, comman
     assert err.startswith("error: the llama.cpp tree ") and "is not a directory" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("contents", [{}, {"README.md": "# not llama.cpp\n"}], ids=["empty", "readme-only"])
+@pytest.mark.parametrize("command", [["patch", "check"], ["patch", "apply"], ["patch", "revert"], ["patch", "status"],
+                                     ["patch", "rebase", "--out", "OUT", "--onto"]])
+def test_a_directory_that_is_not_llama_cpp_is_refused(fake_pin, tmp_path, capsys, command, contents):
+    """An empty directory passed `patch check` as "another llama.cpp tree" ("47 patches: 28 clean, 19
+    resolved", exit 0) and `patch apply` reported its failures: bad input, refused before any work."""
+    other = tmp_path / "other"
+    other.mkdir()
+    for name, text in contents.items():
+        (other / name).write_text(text)
+    before = snapshot(other)
+    argv = [word.replace("OUT", str(tmp_path / "out")) for word in command]
+    argv += [str(other)] if argv[-1] == "--onto" else ["--llama-src", str(other)]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"error: {other} is not a llama.cpp tree: it has no CMakeLists.txt, include/llama.h, "
+                            "ggml/include/ggml.h, src/llama.cpp\n"), captured
+    assert captured.out == "" and snapshot(other) == before and not (tmp_path / "out").exists()
+
+
 def test_patch_cycle(fake_pin, tree, capsys):
     pristine = snapshot(tree)
     common = ["--llama-src", str(tree), "--patches-dir", str(fake_pin.patches)]
