@@ -194,7 +194,7 @@ class Context(Decoding, Sequences, StateIO, Handle):
         if self._batch is not None:
             batch, self._batch = self._batch, None
             self._lib.llama_batch_free(batch)
-        self._all_logits = None
+        self._all_logits = self._held_logits = None
         self._mem = None
         self.model._contexts.discard(self)
 
