@@ -608,6 +608,36 @@ def test_bad_state_is_an_exception(llama, model, ctx, tmp_path):
 
 
 # --------------------------------------------------------------------------
+# threads
+
+
+def test_context_threads_default_to_the_cpus_this_process_may_run_on(llama, model, gguf_models):
+    """Not llama.cpp's 4: the CPUs this process may run on (params.default_n_threads), e.g. one
+    when pinned to one CPU; given ones are kept."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from pyllama_headinfer.params import default_n_threads
+
+    n = default_n_threads()
+    with llama.Context(model, n_ctx=64) as c:
+        assert (c.n_threads, c.n_threads_batch) == (n, n)
+    with llama.Context(model, n_ctx=64, n_threads=1, n_threads_batch=3) as c:
+        assert (c.n_threads, c.n_threads_batch) == (1, 3)
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    code = ("import os, sys; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]}); "
+            "from pyllama_headinfer.llama import Model, Context; "
+            "m = Model(sys.argv[1]); c = Context(m, n_ctx=64); print(c.n_threads, c.n_threads_batch)")
+    result = subprocess.run([sys.executable, "-c", code, str(gguf_models["llama-gqa"])], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "1 1"
+
+
+# --------------------------------------------------------------------------
 # lifetimes
 
 

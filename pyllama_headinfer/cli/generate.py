@@ -22,7 +22,7 @@ from pyllama_headinfer.api.model import Model
 from pyllama_headinfer.api.residency import format_kv_residency, split_summary
 from pyllama_headinfer.api.sampler import Sampler
 from pyllama_headinfer.errors import EXIT_OK, UsageError
-from pyllama_headinfer.cli.options import add_headinfer_mode_arguments
+from pyllama_headinfer.cli.options import add_headinfer_mode_arguments, add_threads_argument
 from pyllama_headinfer.params import ContextParams
 from pyllama_headinfer.runtime import bindings
 from pyllama_headinfer.vram.speed import rank_options
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ctx", "-c", type=int, default=4096, help="context size (default 4096)")
     parser.add_argument("--batch", type=int, default=ContextParams.n_batch,
                         help=f"logical batch size (default {ContextParams.n_batch})")
-    parser.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: llama.cpp's)")
+    add_threads_argument(parser)
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     parser.add_argument("--temp", type=float, default=0.8, help="temperature; <= 0 means greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, default=40, help="top-k (default 40, 0 = off)")

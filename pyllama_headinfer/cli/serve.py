@@ -5,7 +5,11 @@ current build, under the HeadInfer split.
         [--host 127.0.0.1] [--port 8080] [-- extra llama-server arguments]
 
 Starts ``llama-server`` (built by ``build --tools``, found through the build's
-manifest) with flash attention on and ``-hgf F``; with ``--vram-budget`` the
+manifest) with flash attention on, ``-hgf F`` and ``-t N``, N the CPUs this
+process may run on (:func:`~pyllama_headinfer.params.default_n_threads`;
+llama-server's own default is the machine's physical cores, affinity or not),
+unless the extra arguments give ``-t``/``--threads`` or ``LLAMA_ARG_THREADS``
+is set; with ``--vram-budget`` the
 fraction comes from the planner, fed with the server's context size, slots,
 cache types and attention mode taken from the extra arguments (``-c``, ``-np``,
 ``-ctk``, ``-ctv``, ``-b``, ``-ub``, ``-ngl``, ``-kvu``, ``--headinfer-attn``,
@@ -44,7 +48,8 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from pyllama_headinfer.errors import PlanError, ServeError, UsageError
-from pyllama_headinfer.params import ContextParams, check_headinfer_frac, format_bytes
+from pyllama_headinfer.cli.options import THREADS_DEFAULT_HELP
+from pyllama_headinfer.params import ContextParams, check_headinfer_frac, default_n_threads, format_bytes
 from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, announce, find_manifest
 from pyllama_headinfer.vram.model import read_model_info
 from pyllama_headinfer.vram.speed import rank_options
@@ -67,6 +72,7 @@ _PASSTHROUGH_VALUES = {
     "attn_chunk": ("--headinfer-attn-chunk",),
 }
 _OWNED = ("-m", "--model", "--host", "--port", "-hgf", "--headinfer-gpu-heads-frac")
+_THREADS = ("-t", "--threads")  # serve passes -t unless one is given, or LLAMA_ARG_THREADS (common/arg.cpp) is set
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080, llama-server's)")
     parser.add_argument("server_args", nargs=argparse.REMAINDER, metavar="-- ARGS",
-                        help="more llama-server arguments, after --")
+                        help="more llama-server arguments, after --; -t (CPU threads) defaults to "
+                             f"{THREADS_DEFAULT_HELP.format(n=default_n_threads())} (llama-server's own "
+                             "default: the machine's physical cores)")
 
 
 @dataclass
@@ -184,8 +192,10 @@ def server_command(model, *, frac: Optional[float], vram_budget, margin, host: s
                      "use when the slots' lengths differ); -kvu (one cache for all slots, llama-server's default "
                      "without -np) uploads only the cells in use (docs/SERVING.md)")
     server = server or find_server()
+    given = any(w.split("=", 1)[0] in _THREADS for w in extra) or "LLAMA_ARG_THREADS" in os.environ
+    threads = [] if given else ["-t", str(default_n_threads())]
     argv = [str(server), "-m", str(model), "--host", host, "--port", str(port), "-fa", "on",
-            "-hgf", f"{frac:.9g}", *extra]
+            "-hgf", f"{frac:.9g}", *threads, *extra]
     shown = f"[{host}]" if ":" in host else host
     return ServerCommand(argv=argv, url=f"http://{shown}:{port}", frac=frac, notes=notes)
 
