@@ -63,6 +63,13 @@ def test_help_says_the_threads_default(command, capsys):
     assert "llama.cpp's)" not in out
 
 
+@pytest.mark.parametrize("command", ["generate", "plan"])
+def test_help_says_what_ctx_0_means(command, capsys):
+    assert cli.main([command, "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--ctx" in out and "0 = the model's training context" in out
+
+
 @pytest.mark.parametrize("exc, status", [
     (ValueError("x"), 2), (FileNotFoundError("x"), 2), (KeyboardInterrupt(), 130),
 ])
