@@ -52,6 +52,24 @@ def test_every_command_is_listed(capsys):
         assert command in out
 
 
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+def test_help_says_the_threads_default(command, capsys):
+    """generate, bench and serve default to the CPUs this process may run on, and say so."""
+    from pyllama_headinfer.params import default_n_threads
+
+    assert cli.main([command, "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"the CPUs this process may run on, {default_n_threads()} here" in out
+    assert "llama.cpp's)" not in out
+
+
+@pytest.mark.parametrize("command", ["generate", "plan"])
+def test_help_says_what_ctx_0_means(command, capsys):
+    assert cli.main([command, "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--ctx" in out and "0 = the model's training context" in out
+
+
 @pytest.mark.parametrize("exc, status", [
     (ValueError("x"), 2), (FileNotFoundError("x"), 2), (KeyboardInterrupt(), 130),
 ])

@@ -35,8 +35,8 @@ from test_real_model import gemma  # noqa: F401  the fixture: the real Gemma-3-2
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("llama-gqa", "gemma3-iswa")
-SERVER_DEPS = ["uvicorn>=0.22.0", "fastapi>=0.100.0", "pydantic-settings>=2.0.1", "sse-starlette>=1.6.1",
-               "starlette-context>=0.3.6,<0.4", "PyYAML>=5.1"]
+# what `python -m llama_cpp.server` imports: the sdist's `server` extra, which `build --llama-cpp-python` installs
+SERVER_IMPORTS = ("uvicorn", "fastapi", "pydantic_settings", "sse_starlette", "starlette_context", "yaml")
 
 
 def _venv_python(venv: Path) -> Path:
@@ -51,6 +51,9 @@ def lcp(built) -> dict:
     t0 = time.monotonic()
     if not python.is_file():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # the venv is kept between sessions: without uvicorn, the build must bring the server's dependencies back
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "uvicorn"], stdout=subprocess.PIPE,
+                   stderr=subprocess.STDOUT)
     t1 = time.monotonic()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "build", "--llama-cpp-python",
@@ -59,11 +62,10 @@ def lcp(built) -> dict:
     assert result.returncode == 0, result.stdout
     t2 = time.monotonic()
     wheel = next((build_dir() / "dist").glob("llama_cpp_python-*.whl"))
-    deps = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *SERVER_DEPS],
+    deps = subprocess.run([str(python), "-c", f"import {', '.join(SERVER_IMPORTS)}"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert deps.returncode == 0, deps.stdout
-    t3 = time.monotonic()
-    seconds = {"venv": t1 - t0, "build --llama-cpp-python": t2 - t1, "server deps": t3 - t2}
+    assert deps.returncode == 0, f"build --llama-cpp-python did not install the server's dependencies: {deps.stdout}"
+    seconds = {"venv": t1 - t0, "build --llama-cpp-python": t2 - t1}
     print(f"\nllama-cpp-python test venv {venv}: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
     return {"python": str(python), "wheel": wheel, "seconds": seconds}
 
@@ -133,6 +135,25 @@ def test_wheel_libraries_find_each_other_by_origin(lcp):
     assert readelf.returncode == 0, readelf.stdout
     runpath = [line for line in readelf.stdout.splitlines() if "RUNPATH" in line or "RPATH" in line]
     assert runpath and all("$ORIGIN" in line and str(ROOT) not in line for line in runpath), runpath
+
+
+def test_install_brings_the_server_dependencies(monkeypatch, tmp_path):
+    """Step 5 installs the wheel with its `server` extra: README's `python -m llama_cpp.server`
+    command needs uvicorn & co. (no network here: the wheel build and pip are stand-ins)."""
+    from pyllama_headinfer.build import llama_cpp_python as lcp_build
+
+    wheel = tmp_path / "llama_cpp_python-0.3.36+headinfer.0123456789ab-py3-none-linux_x86_64.whl"
+    monkeypatch.setattr(lcp_build, "build_wheel", lambda *a: (wheel, "0.3.36+headinfer.0123456789ab", {}))
+    calls = []
+    monkeypatch.setattr(lcp_build, "_run_pip", lambda python, args, what, env=None: calls.append((python, args)))
+    lcp_build.install_llama_cpp_python(tmp_path, {"pin": {"build": pin.PYTHON_LAYER_PIN}}, python="/venv/python",
+                                       say=lambda _: None)
+    assert [python for python, _ in calls] == ["/venv/python", "/venv/python"]
+    (_, first), (_, second) = calls
+    assert first[:3] == ["install", "--force-reinstall", "--no-deps"] and first[-1] == str(wheel)
+    assert second[0] == "install" and "--no-deps" not in second and second[-1] == f"{wheel}[server]"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "python -m llama_cpp.server" in readme and "with its `server` extra" in readme
 
 
 def test_a_failed_add_libraries_leaves_no_partial_wheel(tmp_path):
