@@ -1,7 +1,8 @@
 """``build --llama-cpp-python`` (issue 28): llama-cpp-python's ``Llama`` and
 ``llama_cpp.server`` with the HeadInfer split, in a separate environment.
 
-Once per session the fixture ``lcp`` runs ``build --llama-cpp-python --python
+Once per session the fixture ``lcp`` (in conftest.py, shared with
+``tests/test_real_gqa_model.py``) runs ``build --llama-cpp-python --python
 VENV`` for a venv kept in ``<cache>/test-venvs/llama-cpp-python`` (created the
 first time; its dependencies stay installed between runs, the wheel is built
 and installed again every session). Everything that imports ``llama_cpp``
@@ -15,7 +16,6 @@ patched install, offline (docs/LLAMA_CPP_PYTHON.md lists what it skips and why).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -30,64 +30,11 @@ from pyllama_headinfer import paths, pin
 from pyllama_headinfer.series import read_series_names
 
 import testing_models
+from conftest import build_dir, run_py
 from test_serve import free_port
-from test_real_model import gemma  # noqa: F401  the fixture: the real Gemma-3-270M Q4_K_M in <cache>/models
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("llama-gqa", "gemma3-iswa")
-# what `python -m llama_cpp.server` imports: the sdist's `server` extra, which `build --llama-cpp-python` installs
-SERVER_IMPORTS = ("uvicorn", "fastapi", "pydantic_settings", "sse_starlette", "starlette_context", "yaml")
-
-
-def _venv_python(venv: Path) -> Path:
-    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
-
-
-@pytest.fixture(scope="session")
-def lcp(built) -> dict:
-    """The venv with the patched llama-cpp-python: {"python", "wheel", "seconds"}."""
-    venv = paths.cache_dir() / "test-venvs" / "llama-cpp-python"
-    python = _venv_python(venv)
-    t0 = time.monotonic()
-    if not python.is_file():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    # the venv is kept between sessions: without uvicorn, the build must bring the server's dependencies back
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "uvicorn"], stdout=subprocess.PIPE,
-                   stderr=subprocess.STDOUT)
-    t1 = time.monotonic()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "build", "--llama-cpp-python",
-                             "--build-dir", str(build_dir()), "--python", str(python)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert result.returncode == 0, result.stdout
-    t2 = time.monotonic()
-    wheel = next((build_dir() / "dist").glob("llama_cpp_python-*.whl"))
-    deps = subprocess.run([str(python), "-c", f"import {', '.join(SERVER_IMPORTS)}"],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert deps.returncode == 0, f"build --llama-cpp-python did not install the server's dependencies: {deps.stdout}"
-    seconds = {"venv": t1 - t0, "build --llama-cpp-python": t2 - t1}
-    print(f"\nllama-cpp-python test venv {venv}: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
-    return {"python": str(python), "wheel": wheel, "seconds": seconds}
-
-
-def build_dir() -> Path:
-    """The build the bindings use (and `build --llama-cpp-python` is told to use): build/cpu here,
-    build/cuda-sm90 on a GPU machine, or $PYLLAMA_HEADINFER_BUILD_DIR."""
-    from pyllama_headinfer.runtime.manifest import find_manifest
-
-    return Path(find_manifest().build_dir)
-
-
-def run_py(lcp: dict, code: str, *args: str, split: bool = True, timeout: float = 300) -> dict:
-    """Run ``code`` in the venv (outside the checkout, so its ``llama_cpp`` is the installed one);
-    the last stdout line is JSON."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LLAMA_CPP_LIB_PATH")}
-    if split:
-        env[testing_models.FORCE_SPLIT] = "1"
-    result = subprocess.run([lcp["python"], "-c", code, *args], cwd=str(Path(lcp["python"]).parents[2]),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------
@@ -493,7 +440,7 @@ def test_upstream_suite(lcp, gemma, tmp_path):
     install; what they skip is listed in docs/LLAMA_CPP_PYTHON.md."""
     from pyllama_headinfer.source.fetch import cached_tree_path
 
-    model = gemma  # the real Gemma-3-270M Q4_K_M (tests/test_real_model.py's fixture: fetched once)
+    model = gemma  # the real Gemma-3-270M Q4_K_M (conftest's fixture: fetched once)
     deps = subprocess.run([lcp["python"], "-m", "pip", "install", "-q", "--disable-pip-version-check",
                            "pytest>=7.4.0", "scipy>=1.10", "huggingface-hub>=0.23.0"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
