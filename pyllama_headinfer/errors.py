@@ -7,6 +7,7 @@ anything else is a bug and keeps its traceback.
 
 ``HeadInferError``
   ``SourceError``       the pinned llama.cpp source: fetching, verifying
+  ``CacheError``        the cache directory (``$PYLLAMA_HEADINFER_CACHE``) cannot be created or written
   ``PatchError``        the patch series: applying, reverting, a tree's state
   ``BuildError``        configuring or compiling llama.cpp
     ``BuildInterrupted``  Ctrl-C during a build
@@ -48,6 +49,12 @@ class HeadInferError(Exception):
 
 class SourceError(HeadInferError):
     """The pinned llama.cpp source could not be found, fetched or verified."""
+
+
+class CacheError(HeadInferError):
+    """The cache directory (``$PYLLAMA_HEADINFER_CACHE``, see :func:`paths.cache_dir`) cannot be
+    created or written: read-only, not a directory, no permission. Raised by
+    :func:`paths.writable_cache_dir`, where a command first writes into it."""
 
 
 class PatchError(HeadInferError):

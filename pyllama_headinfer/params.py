@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 from pyllama_headinfer.errors import UsageError
 
@@ -75,6 +76,27 @@ def format_bytes(n: int | None) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"  # pragma: no cover
+
+
+# --------------------------------------------------------------------------- #
+# threads
+# --------------------------------------------------------------------------- #
+
+def default_n_threads() -> int:
+    """The CPU threads a context (and ``serve``'s llama-server) gets unless told
+    otherwise: the CPUs this process may run on -- ``len(os.sched_getaffinity(0))``
+    where the platform has it (``taskset``, a container's cpuset), else
+    ``os.cpu_count()``; at least 1.
+
+    Not llama.cpp's defaults: ``llama_context_default_params`` gives 4 threads
+    whatever the machine (reported on 2 CPUs: SmolLM2-135M at 25-31 tok/s with
+    4, 66 with 2), llama-server the machine's physical cores, affinity or not.
+    """
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS, Windows)
+        n = os.cpu_count() or 1
+    return max(1, n)
 
 
 # --------------------------------------------------------------------------- #
@@ -150,8 +172,10 @@ class ContextParams:
     """What a :class:`~pyllama_headinfer.api.context.Context` is created with.
 
     Defaults are this package's (``n_ctx`` 512, flash attention on, f16 KV);
-    ``None`` keeps llama.cpp's default (``n_threads``, ``kv_unified``,
-    ``swa_full``; ``flash_attn=None`` is llama.cpp's "auto").
+    ``n_threads`` None: the CPUs this process may run on
+    (:func:`default_n_threads`; :meth:`threads`), ``n_threads_batch`` None:
+    ``n_threads``; for the others ``None`` keeps llama.cpp's default
+    (``kv_unified``, ``swa_full``; ``flash_attn=None`` is llama.cpp's "auto").
 
     HeadInfer: at most one of ``headinfer_gpu_heads_frac`` (the fraction of
     each layer's KV heads kept in the layer's own -- device -- buffer, in
@@ -216,6 +240,12 @@ class ContextParams:
         if self.headinfer_attn_chunk and self.headinfer_attn != "chunked":
             raise UsageError(f"headinfer_attn_chunk={self.headinfer_attn_chunk} applies to headinfer_attn='chunked' "
                              f"only, got headinfer_attn={self.headinfer_attn!r}")
+
+    def threads(self) -> Tuple[int, int]:
+        """``(n_threads, n_threads_batch)`` for llama.cpp: as given, else :func:`default_n_threads`
+        (resolved now: the affinity may change) and ``n_threads``."""
+        n = self.n_threads if self.n_threads is not None else default_n_threads()
+        return n, self.n_threads_batch if self.n_threads_batch is not None else n
 
     @property
     def frac(self) -> float:

@@ -1,15 +1,23 @@
 """Where things live: the cache, the source checkout, the patch series.
 
-Nothing here creates directories; callers create what they write into.
+Nothing here creates directories, except :func:`writable_cache_dir`: every
+writer of the cache (the source fetch, the build's record of the applied
+series, calibrations) takes its directory from it, so an unusable cache --
+read-only, a file, no permission -- is one :class:`CacheError` naming the
+directory and ``$PYLLAMA_HEADINFER_CACHE`` (exit 1), wherever it is first
+written, and never before: commands that only read the cache (``generate``,
+``plan``) keep working with a read-only one.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
 from pyllama_headinfer import pin
+from pyllama_headinfer.errors import CacheError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -30,6 +38,32 @@ def cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return (base / "pyllama-headinfer").resolve()
+
+
+def writable_cache_dir(*parts: str) -> Path:
+    """``cache_dir()/<parts>``, created (with its parents) and shown to be writable (a file is made
+    in it and removed), for a caller about to write there; else a :class:`CacheError` that names
+    the cache directory and the variable choosing it."""
+    directory = cache_dir().joinpath(*parts)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _cache_error(exc, exc.filename or directory) from exc
+    try:
+        handle, probe = tempfile.mkstemp(dir=directory, prefix=".write-test-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise _cache_error(exc, directory) from exc
+    return directory
+
+
+def _cache_error(exc: OSError, where) -> CacheError:
+    root = cache_dir()
+    reason = "it is not a directory" if root.exists() and not root.is_dir() else f"{exc.strerror or exc}: {where}"
+    chosen = f"from ${CACHE_ENV}" if os.environ.get(CACHE_ENV) else f"the default; ${CACHE_ENV} chooses another"
+    return CacheError(f"cannot write to the cache directory {root} ({chosen}): {reason}; "
+                      f"set {CACHE_ENV} to a writable directory")
 
 
 def project_root() -> Optional[Path]:

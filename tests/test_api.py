@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from testing_models import CORPUS
+from testing_models import CORPUS, FORCE_SPLIT
 
 
 @pytest.fixture(scope="module")
@@ -362,18 +362,19 @@ def test_clear(model, ctx):
 
 
 def test_state_roundtrip(llama, model, ctx):
-    """A state holds the KV cache (not the logits): save one token early,
-    decode the last prompt token after loading."""
+    """A state holds the KV cache and the logits: save one token early,
+    decode the last prompt token after loading -- or save at the end and
+    sample right away (test_state_keeps_the_logits)."""
     toks = prompt_tokens(model, 30)
     ctx.decode(toks[:-1])
+    early = ctx.logits()
     state = ctx.save_state()
     assert isinstance(state, bytes) and len(state) > 1000
     first = list(ctx.generate(toks, 8, reset=True, stop_at_eog=False))
     ctx.clear()
     ctx.load_state(state)
     assert ctx.n_tokens() == 29
-    with pytest.raises(ValueError, match="no logits"):
-        ctx.logits()
+    np.testing.assert_array_equal(ctx.logits(), early)
     ctx.decode(toks[-1:])
     np.testing.assert_array_equal(ctx.logits(), _logits_after(llama, model, toks))
     cont = []
@@ -403,14 +404,179 @@ def test_state_file_roundtrip(llama, model, ctx, tmp_path):
     with llama.Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1) as other:
         assert other.load_state_file(path) == toks
         assert other.n_tokens() == 25
-        with pytest.raises(ValueError, match="no logits"):
-            other.logits()
+        np.testing.assert_array_equal(other.logits(), ref)
         other.decode([300])
         ctx.decode([300])
         np.testing.assert_array_equal(other.logits(), ctx.logits())
     with pytest.raises(FileNotFoundError):
         ctx.load_state_file(tmp_path / "missing.bin")
-    assert ref is not None
+
+
+def _greedy(llama, ctx, n=10):
+    """n greedy tokens from the context's logits, with the logits each was sampled from."""
+    tokens, logits = [], []
+    with llama.Sampler.greedy() as s:
+        for _ in range(n):
+            logits.append(ctx.logits())
+            tokens.append(s.sample(ctx))
+            ctx.decode(tokens[-1:])
+    return tokens, logits
+
+
+@pytest.mark.parametrize("how", ["bytes", "file"])
+@pytest.mark.parametrize("save_frac,load_frac", [(1.0, 0.5), (0.5, 1.0)])
+def test_state_keeps_the_logits(llama, model, tmp_path, monkeypatch, how, save_frac, load_frac):
+    """After a state load, logits() gives the logits the context had when the state was
+    saved, bit for bit -- in a fresh context, at another fraction -- and greedy decoding
+    continues exactly as it would have without the save (llama.cpp's state at the pin
+    holds no logits: the API carries them in a block after llama.cpp's data)."""
+    monkeypatch.setenv(FORCE_SPLIT, "1")
+    toks = prompt_tokens(model, 30)
+    kw = dict(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1)
+    path = tmp_path / "state.bin"
+    with llama.Context(model, headinfer_gpu_heads_frac=save_frac, **kw) as c:
+        c.decode(toks)
+        saved = c.logits()
+        state = c.save_state() if how == "bytes" else c.save_state_file(path, toks)
+        expected = _greedy(llama, c)
+    with llama.Context(model, headinfer_gpu_heads_frac=load_frac, **kw) as c:
+        layers = c.kv_residency()["layers"]
+        assert any(x["n_head_resident"] < x["n_head_kv"] for x in layers) == (load_frac < 1.0)
+        if how == "bytes":
+            c.load_state(state)
+        else:
+            assert c.load_state_file(path) == toks
+        got = c.logits()
+        assert got.tobytes() == saved.tobytes(), f"max |diff| {np.abs(got - saved).max()}"
+        view = c.logits(copy=False)
+        assert view.tobytes() == saved.tobytes() and not view.flags.writeable
+        with pytest.raises(IndexError, match="only the last token"):
+            c.logits(0)
+        tokens, logits = _greedy(llama, c)
+    assert tokens == expected[0]
+    for step, (x, y) in enumerate(zip(logits, expected[1])):
+        assert x.tobytes() == y.tobytes(), f"step {step}"
+
+
+def test_state_keeps_seeded_sampling(llama, model):
+    """A seeded random sampler draws the same tokens from restored logits as from llama.cpp's buffer."""
+    toks = prompt_tokens(model, 20)
+    runs = []
+    with llama.Context(model, n_ctx=256, n_threads=1) as c:
+        c.decode(toks)
+        state = c.save_state()
+        for _ in range(2):
+            c.load_state(state)  # the second time in a context whose buffer moved on: the state's logits
+            with llama.Sampler.random(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=7) as s:
+                out = []
+                for _ in range(8):
+                    out.append(s.sample(c))
+                    c.decode(out[-1:])
+            runs.append(out)
+    with llama.Context(model, n_ctx=256, n_threads=1) as c, \
+            llama.Sampler.random(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=7) as s:
+        c.decode(toks)
+        out = []
+        for _ in range(8):
+            out.append(s.sample(c))
+            c.decode(out[-1:])
+    assert runs[0] == runs[1] == out
+
+
+@pytest.mark.parametrize("how", ["bytes", "file"])
+def test_state_keeps_all_and_batch_logits(llama, model, tmp_path, how):
+    """logits='all' (one batch and several) and decode_batch() rows come back with their indices."""
+    toks = prompt_tokens(model, 40)
+    kw = dict(n_ctx=256, n_batch=32, n_ubatch=32, n_seq_max=2, n_threads=1)
+
+    def roundtrip(c):
+        if how == "bytes":
+            state = c.save_state()
+            with llama.Context(model, **kw) as other:
+                other.load_state(state)
+                yield other
+        else:
+            c.save_state_file(tmp_path / "s.bin", [])
+            with llama.Context(model, **kw) as other:
+                other.load_state_file(tmp_path / "s.bin")
+                yield other
+
+    with llama.Context(model, **kw) as c:
+        for n in (20, 40):  # 40 > n_batch: collected over two batches
+            c.clear()
+            c.decode(toks[:n], logits="all")
+            rows = [c.logits(i) for i in range(-n, n)]
+            for other in roundtrip(c):
+                assert all(other.logits(i).tobytes() == r.tobytes() for i, r in zip(range(-n, n), rows))
+                with pytest.raises(IndexError):
+                    other.logits(n)
+        c.clear()
+        at = c.decode_batch({0: toks[:5], 1: toks[5:12]})
+        rows = {i: c.logits(i) for i in at.values()}
+        for other in roundtrip(c):
+            assert all(other.logits(i).tobytes() == r.tobytes() for i, r in rows.items())
+            with pytest.raises(IndexError, match="decode_batch"):
+                other.logits(0)
+            with llama.Sampler.greedy() as g, llama.Sampler.greedy() as h:
+                assert g.sample(other, at[1]) == h.sample(c, at[1])
+
+
+def test_state_without_logits_says_which_call_continues(llama, model, ctx, tmp_path):
+    toks = prompt_tokens(model, 20)
+    ctx.decode(toks, logits="none")
+    plain = ctx.save_state()
+    ctx.decode([300])
+    no_block = ctx.save_state(logits=False)
+    ctx.save_state_file(tmp_path / "plain.bin", toks, logits=False)
+    for load in (lambda c: c.load_state(plain), lambda c: c.load_state(no_block),
+                 lambda c: c.load_state_file(tmp_path / "plain.bin")):
+        with llama.Context(model, n_ctx=256, n_threads=1) as c:
+            load(c)
+            with pytest.raises(ValueError, match=r"the loaded state holds none.*seq_rm"):
+                c.logits()
+    # logits=False is llama.cpp's state exactly: what its own calls write
+    lib, ffi = ctx._lib, ctx._ffi
+    size = int(lib.llama_state_get_size(ctx._ptr()))
+    buf = ffi.new("uint8_t[]", size)
+    assert ffi.buffer(buf, int(lib.llama_state_get_data(ctx._ptr(), buf, size)))[:] == no_block
+
+
+def test_state_block_follows_llama_cpps_data(llama, model, ctx):
+    """llama.cpp's own llama_state_set_data reads its part of the bytes and stops before the
+    block; the API refuses bytes that are more than one state (or a state cut in its block)."""
+    toks = prompt_tokens(model, 20)
+    ctx.decode(toks)
+    state, plain = ctx.save_state(), ctx.save_state(logits=False)
+    assert state.startswith(plain) and len(state) > len(plain) + 4 * model.n_vocab
+    lib, ffi = ctx._lib, ctx._ffi
+    with llama.Context(model, n_ctx=256, n_threads=1) as c:
+        assert int(lib.llama_state_set_data(c._ptr(), ffi.from_buffer("uint8_t[]", state), len(state))) == len(plain)
+        for bad in (plain + b"\0" * 64, state[:-1], state[:-100], state + b"x"):
+            c.decode(toks[:5])
+            with pytest.raises(llama.StateError):
+                c.load_state(bad)
+            assert c.n_tokens() == 0
+            with pytest.raises(ValueError, match="no logits"):
+                c.logits()
+
+
+def test_seq_state_load_says_which_call_continues(llama, model, tmp_path):
+    """A sequence's state is llama.cpp's, without logits: logits() says how to continue."""
+    toks = prompt_tokens(model, 20)
+    with llama.Context(model, n_ctx=256, n_seq_max=2, n_threads=1) as c:
+        c.decode(toks, seq_id=0)
+        data = c.save_seq_state(0)
+        c.save_seq_state_file(tmp_path / "seq.bin", 0, toks)
+        assert c.seq_rm(0, 19, -1)
+        c.decode(toks[-1:], seq_id=0)
+        ref = c.logits()  # the last token decoded again, as in sequence 1 below (its own KV stream)
+        for load in (lambda: c.load_seq_state(data, 1), lambda: c.load_seq_state_file(tmp_path / "seq.bin", 1)):
+            load()
+            with pytest.raises(ValueError, match=r"sequence's state holds its KV cells only.*seq_rm"):
+                c.logits()
+            assert c.seq_rm(1, 19, -1)  # what the message says: drop the last position, decode it again
+            c.decode(toks[-1:], seq_id=1)
+            np.testing.assert_array_equal(c.logits(), ref)
 
 
 def test_seq_state_roundtrip(llama, model):
@@ -439,6 +605,36 @@ def test_bad_state_is_an_exception(llama, model, ctx, tmp_path):
     with pytest.raises(llama.StateError):
         ctx.load_state_file(junk)
     alive(llama, model)
+
+
+# --------------------------------------------------------------------------
+# threads
+
+
+def test_context_threads_default_to_the_cpus_this_process_may_run_on(llama, model, gguf_models):
+    """Not llama.cpp's 4: the CPUs this process may run on (params.default_n_threads), e.g. one
+    when pinned to one CPU; given ones are kept."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from pyllama_headinfer.params import default_n_threads
+
+    n = default_n_threads()
+    with llama.Context(model, n_ctx=64) as c:
+        assert (c.n_threads, c.n_threads_batch) == (n, n)
+    with llama.Context(model, n_ctx=64, n_threads=1, n_threads_batch=3) as c:
+        assert (c.n_threads, c.n_threads_batch) == (1, 3)
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    code = ("import os, sys; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]}); "
+            "from pyllama_headinfer.llama import Model, Context; "
+            "m = Model(sys.argv[1]); c = Context(m, n_ctx=64); print(c.n_threads, c.n_threads_batch)")
+    result = subprocess.run([sys.executable, "-c", code, str(gguf_models["llama-gqa"])], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "1 1"
 
 
 # --------------------------------------------------------------------------

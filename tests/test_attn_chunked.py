@@ -218,12 +218,12 @@ def test_a_real_quantized_model_in_chunks(built):
     """Gemma 3 270M Q4_K_M (real weights, the CPU's quantized kernels; iSWA): in one chunk the mode gives one
     attention's bits; in chunks of 256 cells (3 at 700 tokens) another float order, which this model moves by about
     as much as stock llama.cpp's own change of ubatch (docs/ARENA.md: 0.68-0.94 against 0.68)."""
-    from test_real_model import ensure_gemma3_270m
     from testing_models import CORPUS
+    from testing_real_models import GEMMA3_270M, ensure_model
 
     from pyllama_headinfer import llama
 
-    with llama.Model(str(ensure_gemma3_270m())) as model:
+    with llama.Model(str(ensure_model(GEMMA3_270M))) as model:
         tokens = (model.tokenize(CORPUS) * 20)[:700]
 
         def last_logits(**mode) -> np.ndarray:

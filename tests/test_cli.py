@@ -52,6 +52,24 @@ def test_every_command_is_listed(capsys):
         assert command in out
 
 
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+def test_help_says_the_threads_default(command, capsys):
+    """generate, bench and serve default to the CPUs this process may run on, and say so."""
+    from pyllama_headinfer.params import default_n_threads
+
+    assert cli.main([command, "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"the CPUs this process may run on, {default_n_threads()} here" in out
+    assert "llama.cpp's)" not in out
+
+
+@pytest.mark.parametrize("command", ["generate", "plan"])
+def test_help_says_what_ctx_0_means(command, capsys):
+    assert cli.main([command, "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--ctx" in out and "0 = the model's training context" in out
+
+
 @pytest.mark.parametrize("exc, status", [
     (ValueError("x"), 2), (FileNotFoundError("x"), 2), (KeyboardInterrupt(), 130),
 ])
@@ -99,6 +117,26 @@ def test_a_missing_llama_src_is_a_usage_error(fake_pin, tmp_path, capsys, comman
     assert cli.main([*command, "--llama-src", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: the llama.cpp tree ") and "is not a directory" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("contents", [{}, {"README.md": "# not llama.cpp\n"}], ids=["empty", "readme-only"])
+@pytest.mark.parametrize("command", [["patch", "check"], ["patch", "apply"], ["patch", "revert"], ["patch", "status"],
+                                     ["patch", "rebase", "--out", "OUT", "--onto"]])
+def test_a_directory_that_is_not_llama_cpp_is_refused(fake_pin, tmp_path, capsys, command, contents):
+    """An empty directory passed `patch check` as "another llama.cpp tree" ("47 patches: 28 clean, 19
+    resolved", exit 0) and `patch apply` reported its failures: bad input, refused before any work."""
+    other = tmp_path / "other"
+    other.mkdir()
+    for name, text in contents.items():
+        (other / name).write_text(text)
+    before = snapshot(other)
+    argv = [word.replace("OUT", str(tmp_path / "out")) for word in command]
+    argv += [str(other)] if argv[-1] == "--onto" else ["--llama-src", str(other)]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"error: {other} is not a llama.cpp tree: it has no CMakeLists.txt, include/llama.h, "
+                            "ggml/include/ggml.h, src/llama.cpp\n"), captured
+    assert captured.out == "" and snapshot(other) == before and not (tmp_path / "out").exists()
 
 
 def test_patch_cycle(fake_pin, tree, capsys):

@@ -1,7 +1,8 @@
 """``build --llama-cpp-python`` (issue 28): llama-cpp-python's ``Llama`` and
 ``llama_cpp.server`` with the HeadInfer split, in a separate environment.
 
-Once per session the fixture ``lcp`` runs ``build --llama-cpp-python --python
+Once per session the fixture ``lcp`` (in conftest.py, shared with
+``tests/test_real_gqa_model.py``) runs ``build --llama-cpp-python --python
 VENV`` for a venv kept in ``<cache>/test-venvs/llama-cpp-python`` (created the
 first time; its dependencies stay installed between runs, the wheel is built
 and installed again every session). Everything that imports ``llama_cpp``
@@ -15,7 +16,6 @@ patched install, offline (docs/LLAMA_CPP_PYTHON.md lists what it skips and why).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -30,62 +30,11 @@ from pyllama_headinfer import paths, pin
 from pyllama_headinfer.series import read_series_names
 
 import testing_models
+from conftest import build_dir, run_py
 from test_serve import free_port
-from test_real_model import gemma  # noqa: F401  the fixture: the real Gemma-3-270M Q4_K_M in <cache>/models
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("llama-gqa", "gemma3-iswa")
-SERVER_DEPS = ["uvicorn>=0.22.0", "fastapi>=0.100.0", "pydantic-settings>=2.0.1", "sse-starlette>=1.6.1",
-               "starlette-context>=0.3.6,<0.4", "PyYAML>=5.1"]
-
-
-def _venv_python(venv: Path) -> Path:
-    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
-
-
-@pytest.fixture(scope="session")
-def lcp(built) -> dict:
-    """The venv with the patched llama-cpp-python: {"python", "wheel", "seconds"}."""
-    venv = paths.cache_dir() / "test-venvs" / "llama-cpp-python"
-    python = _venv_python(venv)
-    t0 = time.monotonic()
-    if not python.is_file():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    t1 = time.monotonic()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "build", "--llama-cpp-python",
-                             "--build-dir", str(build_dir()), "--python", str(python)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert result.returncode == 0, result.stdout
-    t2 = time.monotonic()
-    wheel = next((build_dir() / "dist").glob("llama_cpp_python-*.whl"))
-    deps = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *SERVER_DEPS],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert deps.returncode == 0, deps.stdout
-    t3 = time.monotonic()
-    seconds = {"venv": t1 - t0, "build --llama-cpp-python": t2 - t1, "server deps": t3 - t2}
-    print(f"\nllama-cpp-python test venv {venv}: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
-    return {"python": str(python), "wheel": wheel, "seconds": seconds}
-
-
-def build_dir() -> Path:
-    """The build the bindings use (and `build --llama-cpp-python` is told to use): build/cpu here,
-    build/cuda-sm90 on a GPU machine, or $PYLLAMA_HEADINFER_BUILD_DIR."""
-    from pyllama_headinfer.runtime.manifest import find_manifest
-
-    return Path(find_manifest().build_dir)
-
-
-def run_py(lcp: dict, code: str, *args: str, split: bool = True, timeout: float = 300) -> dict:
-    """Run ``code`` in the venv (outside the checkout, so its ``llama_cpp`` is the installed one);
-    the last stdout line is JSON."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LLAMA_CPP_LIB_PATH")}
-    if split:
-        env[testing_models.FORCE_SPLIT] = "1"
-    result = subprocess.run([lcp["python"], "-c", code, *args], cwd=str(Path(lcp["python"]).parents[2]),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------
@@ -133,6 +82,25 @@ def test_wheel_libraries_find_each_other_by_origin(lcp):
     assert readelf.returncode == 0, readelf.stdout
     runpath = [line for line in readelf.stdout.splitlines() if "RUNPATH" in line or "RPATH" in line]
     assert runpath and all("$ORIGIN" in line and str(ROOT) not in line for line in runpath), runpath
+
+
+def test_install_brings_the_server_dependencies(monkeypatch, tmp_path):
+    """Step 5 installs the wheel with its `server` extra: README's `python -m llama_cpp.server`
+    command needs uvicorn & co. (no network here: the wheel build and pip are stand-ins)."""
+    from pyllama_headinfer.build import llama_cpp_python as lcp_build
+
+    wheel = tmp_path / "llama_cpp_python-0.3.36+headinfer.0123456789ab-py3-none-linux_x86_64.whl"
+    monkeypatch.setattr(lcp_build, "build_wheel", lambda *a: (wheel, "0.3.36+headinfer.0123456789ab", {}))
+    calls = []
+    monkeypatch.setattr(lcp_build, "_run_pip", lambda python, args, what, env=None: calls.append((python, args)))
+    lcp_build.install_llama_cpp_python(tmp_path, {"pin": {"build": pin.PYTHON_LAYER_PIN}}, python="/venv/python",
+                                       say=lambda _: None)
+    assert [python for python, _ in calls] == ["/venv/python", "/venv/python"]
+    (_, first), (_, second) = calls
+    assert first[:3] == ["install", "--force-reinstall", "--no-deps"] and first[-1] == str(wheel)
+    assert second[0] == "install" and "--no-deps" not in second and second[-1] == f"{wheel}[server]"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "python -m llama_cpp.server" in readme and "with its `server` extra" in readme
 
 
 def test_a_failed_add_libraries_leaves_no_partial_wheel(tmp_path):
@@ -472,7 +440,7 @@ def test_upstream_suite(lcp, gemma, tmp_path):
     install; what they skip is listed in docs/LLAMA_CPP_PYTHON.md."""
     from pyllama_headinfer.source.fetch import cached_tree_path
 
-    model = gemma  # the real Gemma-3-270M Q4_K_M (tests/test_real_model.py's fixture: fetched once)
+    model = gemma  # the real Gemma-3-270M Q4_K_M (conftest's fixture: fetched once)
     deps = subprocess.run([lcp["python"], "-m", "pip", "install", "-q", "--disable-pip-version-check",
                            "pytest>=7.4.0", "scipy>=1.10", "huggingface-hub>=0.23.0"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

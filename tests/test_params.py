@@ -3,10 +3,15 @@ API, the planner and the commands (no llama.cpp needed)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
+from conftest import ROOT
 from pyllama_headinfer.errors import UsageError
-from pyllama_headinfer.params import KV_CACHE_TYPES, ContextParams, parse_size
+from pyllama_headinfer.params import KV_CACHE_TYPES, ContextParams, default_n_threads, parse_size
 from pyllama_headinfer.vram.memory import Settings
 
 
@@ -74,3 +79,39 @@ def test_an_unknown_attention_mode_is_a_value_error(value):
         ContextParams(headinfer_attn=value)
     with pytest.raises(TypeError, match="headinfer_stream"):
         ContextParams(headinfer_stream="off")
+
+
+# --------------------------------------------------------------------------
+# threads: the CPUs this process may run on, not llama.cpp's 4
+
+
+def _affinity_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def test_threads_default_to_the_cpus_this_process_may_run_on():
+    n = _affinity_count()
+    assert default_n_threads() == n
+    assert ContextParams().threads() == (n, n)
+    assert ContextParams(n_threads=3).threads() == (3, 3)
+    assert ContextParams(n_threads_batch=5).threads() == (n, 5)
+    assert ContextParams(n_threads=1, n_threads_batch=2).threads() == (1, 2)
+
+
+def test_threads_without_an_affinity_call_count_the_cpus(monkeypatch):
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert default_n_threads() == 3
+    monkeypatch.setattr(os, "cpu_count", lambda: None)  # unknown: one thread
+    assert default_n_threads() == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_threads_follow_the_affinity():
+    """Pinned to one CPU (taskset, a cpuset), a process defaults to one thread."""
+    code = ("import os; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]}); "
+            "from pyllama_headinfer.params import ContextParams, default_n_threads; "
+            "print(default_n_threads(), ContextParams().threads())")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0] == "1 (1, 1)"

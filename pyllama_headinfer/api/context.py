@@ -106,10 +106,7 @@ class Context(Decoding, Sequences, StateIO, Handle):
 
         p = lib.llama_context_default_params()
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max
-        if params.n_threads is not None:
-            p.n_threads = p.n_threads_batch = params.n_threads
-        if params.n_threads_batch is not None:
-            p.n_threads_batch = params.n_threads_batch
+        p.n_threads, p.n_threads_batch = params.threads()  # not given: the CPUs this process may run on
         p.flash_attn_type = {True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED, False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
                              None: lib.LLAMA_FLASH_ATTN_TYPE_AUTO}[params.flash_attn]
         p.type_k = getattr(lib, f"GGML_TYPE_{params.type_k.upper()}")
@@ -139,6 +136,7 @@ class Context(Decoding, Sequences, StateIO, Handle):
         self.n_batch = int(lib.llama_n_batch(ptr))
         self.n_ubatch = int(lib.llama_n_ubatch(ptr))
         self.n_seq_max = int(lib.llama_n_seq_max(ptr))
+        self.n_threads, self.n_threads_batch = int(p.n_threads), int(p.n_threads_batch)
         self.kv_unified = bool(p.kv_unified)  # False with n_seq_max > 1: one KV stream per sequence
         self.type_k, self.type_v = params.type_k, params.type_v
         self.n_vocab = model.n_vocab
@@ -193,7 +191,7 @@ class Context(Decoding, Sequences, StateIO, Handle):
         if self._batch is not None:
             batch, self._batch = self._batch, None
             self._lib.llama_batch_free(batch)
-        self._all_logits = None
+        self._all_logits = self._held_logits = None
         self._mem = None
         self.model._contexts.discard(self)
 

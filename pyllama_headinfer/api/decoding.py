@@ -5,7 +5,12 @@
 ``_ptr()``, ``_ffi``, ``_lib``, ``_batch``, ``model``, the sizes
 (``n_ctx``, ``n_ctx_seq``, ``n_batch``, ``n_vocab``) and ``_check_seq`` /
 ``n_tokens`` / ``seq_rm`` of :class:`~.sequences.Sequences`. Every call holds
-the context's lock; a ``generate`` generator holds it until it ends."""
+the context's lock; a ``generate`` generator holds it until it ends.
+
+The logits :meth:`logits` and the samplers read are llama.cpp's output
+buffer of the last decode, or -- after a state load that carried them
+(:mod:`.state`) -- the rows that state held, kept here in Python (llama.cpp's
+state at this pin holds no logits; they cannot go back into its buffer)."""
 
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ logger = logging.getLogger("pyllama_headinfer.llama")
 
 DECODE_RESULTS = {1: "no KV cache slot for the batch (context full)", 2: "aborted", -1: "invalid input batch"}
 
+# why logits() has nothing, when nothing more specific is known (a load says more: see .state)
+NO_LOGITS = "decode tokens with logits='last' or 'all' first"
+
 
 class Decoding:
     """What the last decode left in llama.cpp's output buffer, and how to read it."""
@@ -33,10 +41,38 @@ class Decoding:
     _out_n = 0  # tokens in the last llama_decode call
     _all_logits: np.ndarray | None = None  # "all" over several batches
     _out_rows: frozenset = frozenset()  # batch indices with logits after decode_batch()
+    _held_logits: dict | None = None  # batch index -> row, restored from a state (not in llama.cpp's buffer)
+    _no_logits_why = NO_LOGITS  # the end of logits()'s error while there are none
 
-    def _forget_outputs(self) -> None:
-        """The outputs of the last decode are gone (cleared memory, a loaded state, a failed decode)."""
-        self._out_mode, self._out_n, self._all_logits = None, 0, None
+    def _forget_outputs(self, why: str = NO_LOGITS) -> None:
+        """The outputs of the last decode are gone (cleared memory, a loaded state, a failed decode);
+        ``why``: what :meth:`logits` says about it until the next decode."""
+        self._out_mode, self._out_n, self._all_logits, self._held_logits = None, 0, None, None
+        self._no_logits_why = why
+
+    # -- the outputs as a state carries them (see .state) -------------------- #
+
+    def _outputs_for_state(self):
+        """``(mode, n, indices, rows)``: every row :meth:`logits` can return now, with its batch
+        index (``rows[j]`` is ``logits(indices[j])``), or None without logits."""
+        mode, n = self._out_mode, self._out_n
+        if mode in (None, "none"):
+            return None
+        if self._held_logits is not None:
+            indices = sorted(self._held_logits)
+            return mode, n, indices, np.stack([self._held_logits[i] for i in indices])
+        if self._all_logits is not None:  # logits="all" over several batches: indexed over the whole decode
+            return "all", len(self._all_logits), list(range(len(self._all_logits))), self._all_logits
+        indices = {"last": [n - 1], "all": list(range(n)), "batch": sorted(self._out_rows)}[mode]
+        return mode, n, indices, np.stack([self.logits(i) for i in indices])
+
+    def _restore_outputs(self, mode: str, n: int, indices, rows: np.ndarray) -> None:
+        """Make ``rows`` (as :meth:`_outputs_for_state` gave them) the last decode's logits."""
+        rows = np.array(rows, dtype=np.float32)
+        rows.flags.writeable = False
+        self._out_mode, self._out_n, self._all_logits = mode, int(n), None
+        self._out_rows = frozenset(int(i) for i in indices) if mode == "batch" else frozenset()
+        self._held_logits = {int(i): rows[j] for j, i in enumerate(indices)}
 
     # -- the batch ---------------------------------------------------------- #
 
@@ -165,13 +201,12 @@ class Decoding:
 
     # -- logits and sampling ------------------------------------------------ #
 
-    def _logits_ptr(self, i: int):
-        """Pointer to llama.cpp's logits for batch index ``i`` of the last
-        decode (checked: llama.cpp aborts on some invalid indices)."""
-        ptr = self._ptr()
+    def _output_index(self, i: int) -> int:
+        """Batch index ``i`` of the last decode (-1 = last) as a row index >= 0; ValueError
+        without logits, IndexError for an index without them."""
         mode = self._out_mode
         if mode is None or mode == "none":
-            raise ValueError("no logits available: decode tokens with logits='last' or 'all' first")
+            raise ValueError(f"no logits available: {self._no_logits_why}")
         if mode == "last" and i not in (-1, self._out_n - 1):
             raise IndexError(f"only the last token has logits (decode with logits='all' for more); got index {i}")
         if mode == "all" and not -self._out_n <= i < self._out_n:
@@ -179,6 +214,21 @@ class Decoding:
         if mode == "batch" and i not in self._out_rows:
             raise IndexError(f"no logits for batch index {i}: the last decode_batch() computed logits for "
                              f"indices {sorted(self._out_rows)}")
+        return i + self._out_n if i < 0 else i
+
+    def _held_row(self, i: int) -> np.ndarray | None:
+        """The logits of batch index ``i`` when a loaded state brought them (read-only), else None:
+        they are in llama.cpp's output buffer (:meth:`_logits_ptr`)."""
+        self._ptr()
+        if self._held_logits is None:
+            return None
+        return self._held_logits[self._output_index(i)]
+
+    def _logits_ptr(self, i: int):
+        """Pointer to llama.cpp's logits for batch index ``i`` of the last
+        decode (checked: llama.cpp aborts on some invalid indices)."""
+        ptr = self._ptr()
+        self._output_index(i)
         return checked_call(self._lib.llama_get_logits_ith, ptr, int(i), ok=lambda p: p != self._ffi.NULL,
                             error=lambda _, reason: IndexError(f"no logits for index {i}: {reason}"))
 
@@ -192,6 +242,9 @@ class Decoding:
         and ``close()`` frees -- read it right away, keep the context open.
         After a ``logits="all"`` decode longer than ``n_batch`` the logits were
         collected into a Python array and are always returned as copies of it.
+        After a state load they are the logits the context had when the state
+        was saved (:meth:`save_state`), bit for bit; ``copy=False`` gives a
+        read-only view of them.
         """
         if self._all_logits is not None:
             self._ptr()
@@ -199,6 +252,9 @@ class Decoding:
             if not -n <= i < n:
                 raise IndexError(f"logits index {i} out of range for the last decode of {n} tokens")
             return self._all_logits[i].copy()
+        row = self._held_row(i)
+        if row is not None:
+            return row.copy() if copy else row
         p = self._logits_ptr(i)
         view = np.frombuffer(self._ffi.buffer(p, self.n_vocab * 4), dtype=np.float32)
         return view.copy() if copy else view

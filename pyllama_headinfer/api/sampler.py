@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from pyllama_headinfer.api.handle import Handle
 from pyllama_headinfer.errors import HeadInferError
 from pyllama_headinfer.runtime import bindings
@@ -109,13 +111,41 @@ class Sampler(Handle):
     def sample(self, ctx, idx: int = -1) -> int:
         """Sample a token from the logits of ``ctx`` (a :class:`Context`; this
         module does not import it: the context imports the sampler) at
-        ``idx``, and accept it."""
+        ``idx``, and accept it.
+
+        Logits that a loaded state brought (not in llama.cpp's output buffer)
+        are sampled the way ``llama_sampler_sample`` samples that buffer: the
+        same candidates, the chain applied, the selected token accepted."""
         chain = self._ptr()
         if not self.stages or self.stages[-1] not in self._SELECTING:
             raise ValueError("the sampler chain does not end with a selecting stage (greedy or dist)")
         cptr = ctx._ptr()
+        row = ctx._held_row(idx)  # raises if there are no logits at idx
+        if row is not None:
+            return self._sample_row(chain, row)
         ctx._logits_ptr(idx)  # raises if there are no logits at idx (llama.cpp would abort)
         return int(self._lib.llama_sampler_sample(chain, cptr, int(idx)))
+
+    def _sample_row(self, chain, logits: np.ndarray) -> int:
+        """``llama_sampler_sample`` on a row of logits held in Python (llama-sampler.cpp at the pin:
+        candidates ``{id, logit, p = 0}`` for every token, unsorted, nothing selected; apply the chain;
+        accept the selected token)."""
+        ffi, lib = self._ffi, self._lib
+        n = len(logits)
+        data = ffi.new("llama_token_data[]", n)
+        fields = np.dtype({"names": ["id", "logit", "p"], "formats": ["<i4", "<f4", "<f4"],
+                           "offsets": [ffi.offsetof("llama_token_data", f) for f in ("id", "logit", "p")],
+                           "itemsize": ffi.sizeof("llama_token_data")})
+        view = np.frombuffer(ffi.buffer(data), dtype=fields)
+        view["id"], view["logit"], view["p"] = np.arange(n, dtype=np.int32), logits, 0.0
+        cur = ffi.new("llama_token_data_array *")
+        cur.data, cur.size, cur.selected, cur.sorted = data, n, -1, False
+        lib.llama_sampler_apply(chain, cur)
+        if not 0 <= cur.selected < cur.size:
+            raise HeadInferError(f"the sampler chain selected no token (selected = {cur.selected})")
+        token = int(cur.data[cur.selected].id)
+        lib.llama_sampler_accept(chain, token)
+        return token
 
     def accept(self, token: int) -> None:
         self._lib.llama_sampler_accept(self._ptr(), int(token))

@@ -29,8 +29,13 @@ build's compiled libraries (no second C++ compile):
    it for this platform and write it to ``<build_dir>/dist/``;
 5. ``pip install --force-reinstall --no-deps`` it into the target
    environment (by default the Python running this), then a plain ``pip
-   install`` of the same wheel, which installs any missing runtime
-   dependency (numpy, jinja2, ...) and nothing else.
+   install`` of the same wheel with its ``server`` extra
+   (:func:`install_steps`), which installs any missing runtime dependency
+   (numpy, jinja2, ...) and what ``python -m llama_cpp.server`` imports
+   (uvicorn, fastapi, pydantic-settings, sse-starlette, starlette-context,
+   PyYAML: pure Python), and nothing else. Always, not behind an option:
+   README gives the server as part of what this installs, and without the
+   extra its command fails at ``import uvicorn``.
 
 The wheel's libraries are exactly the build's, so a CUDA build's wheel
 carries ``libggml-cuda.so.<N>`` too. A sanitizer build (its libraries need
@@ -56,7 +61,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from pyllama_headinfer import paths, pin
 from pyllama_headinfer.errors import BuildError, UsageError
@@ -70,6 +75,7 @@ SCRATCH = "llama-cpp-python"  # <build_dir>/llama-cpp-python: src/, wheel-src/, 
 DIST = "dist"  # <build_dir>/dist: the finished wheel
 LOADED_BY_NAME = ("llama", "ggml")  # llama_cpp dlopens lib/libllama.so and lib/libggml.so
 PIP_TIMEOUT_S = 900
+SERVER_EXTRA = "server"  # llama-cpp-python's extra for `python -m llama_cpp.server` (its pyproject.toml)
 
 
 @dataclass(frozen=True)
@@ -236,6 +242,15 @@ def build_wheel(build_dir: Path, manifest: Mapping, python: str, say: Callable[[
     return wheel, version, {"prepare": t1 - t0, "wheel": t2 - t1}
 
 
+def install_steps(wheel: Path) -> List[Tuple[List[str], str]]:
+    """Step 5 as ``(pip arguments, what it does)``: the wheel itself, replacing any installed
+    llama_cpp whatever its version, then its dependencies and the server's (the ``server`` extra)."""
+    return [(["install", "--force-reinstall", "--no-deps", "--disable-pip-version-check", str(wheel)],
+             f"installing {wheel.name}"),
+            (["install", "--disable-pip-version-check", f"{wheel}[{SERVER_EXTRA}]"],
+             f"installing the runtime and server dependencies of {wheel.name}")]
+
+
 def install_llama_cpp_python(build_dir: Path, manifest: Mapping, *, python: Optional[str] = None,
                              say: Callable[[str], None] = print) -> LlamaCppPythonResult:
     """Build the wheel (:func:`build_wheel`) and install it into ``python``'s environment (step 5)."""
@@ -243,11 +258,9 @@ def install_llama_cpp_python(build_dir: Path, manifest: Mapping, *, python: Opti
     python = python or sys.executable
     wheel, version, seconds = build_wheel(build_dir, manifest, python, say)
     t0 = time.monotonic()
-    _run_pip(python, ["install", "--force-reinstall", "--no-deps", "--disable-pip-version-check", str(wheel)],
-             f"installing {wheel.name}")
-    _run_pip(python, ["install", "--disable-pip-version-check", str(wheel)],
-             f"installing the runtime dependencies of {wheel.name}")
+    for args, what in install_steps(wheel):
+        _run_pip(python, args, what)
     seconds["install"] = time.monotonic() - t0
-    say(f"Installed llama-cpp-python {version} into {python} ({wheel}); "
-        f"`import llama_cpp` now uses this build's libraries.")
+    say(f"Installed llama-cpp-python {version} into {python} ({wheel}), with its server's dependencies; "
+        f"`import llama_cpp` now uses this build's libraries, `python -m llama_cpp.server` serves with them.")
     return LlamaCppPythonResult(wheel, version, python, seconds)

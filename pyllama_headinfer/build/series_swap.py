@@ -46,9 +46,12 @@ def prepare_source(llama_src, allow_unverified: bool, say=print) -> Tuple[Path, 
     return tree, current
 
 
+RECORDS_DIR = "applied-series"  # in the cache
+
+
 def _series_record_dir(tree: Path) -> Path:
     """Copy of the series that build last applied to ``tree`` (in the cache, never in the tree)."""
-    return paths.cache_dir() / "applied-series" / hashlib.sha256(str(tree).encode()).hexdigest()[:16]
+    return paths.cache_dir() / RECORDS_DIR / hashlib.sha256(str(tree).encode()).hexdigest()[:16]
 
 
 def _read_text(path: Path) -> Optional[str]:
@@ -64,6 +67,7 @@ def _record_series(tree: Path, series_hash: str) -> None:
     if _read_text(record / "hash") == series_hash:
         return
     directory = paths.patches_dir()
+    paths.writable_cache_dir(RECORDS_DIR)
     staged = record.with_name(f"{record.name}.tmp{os.getpid()}")
     shutil.rmtree(staged, ignore_errors=True)
     staged.mkdir(parents=True)

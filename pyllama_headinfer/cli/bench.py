@@ -25,7 +25,7 @@ from pyllama_headinfer.api.bench import run_sweep, sweep_points
 from pyllama_headinfer.api.devices import list_devices
 from pyllama_headinfer.api.model import Model
 from pyllama_headinfer.errors import EXIT_FAILURE, EXIT_OK
-from pyllama_headinfer.cli.options import add_headinfer_mode_arguments
+from pyllama_headinfer.cli.options import add_headinfer_mode_arguments, add_threads_argument
 from pyllama_headinfer.params import KV_CACHE_TYPES, ContextParams, check_headinfer_frac, parse_size
 from pyllama_headinfer.vram.plan import plan_kv
 from pyllama_headinfer.vram.speed import calibrate, exact, save_calibration
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_headinfer_mode_arguments(parser)
     parser.add_argument("--ngl", "--n-gpu-layers", dest="ngl", type=int, default=99,
                         help="layers to offload to the GPU (default 99 = all)")
-    parser.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: llama.cpp's)")
+    add_threads_argument(parser)
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
     parser.add_argument("--plot", type=Path, default=None,
                         help="plot file (default bench-<model>.png; needs matplotlib)")

@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lcp.add_argument("--llama-cpp-python", action="store_true",
                      help="after the build, make this environment's llama_cpp the patched one: a wheel of the "
                           "pinned llama-cpp-python sdist with the patches/llama-cpp-python series and this "
-                          "build's libraries, in <build dir>/dist, installed with pip (docs/LLAMA_CPP_PYTHON.md)")
+                          "build's libraries, in <build dir>/dist, installed with pip with its server extra, so "
+                          "`python -m llama_cpp.server` runs too (docs/LLAMA_CPP_PYTHON.md)")
     lcp.add_argument("--python", metavar="PYTHON",
                      help="with --llama-cpp-python: the Python whose environment gets it (default: this one, "
                           f"{sys.executable})")

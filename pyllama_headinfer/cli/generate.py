@@ -3,6 +3,8 @@
     python -m pyllama_headinfer generate --model M.gguf --prompt "Once upon a time" -n 64 \\
         [--frac 0.5 | --vram-budget 24GiB] [--ngl 99] [--ctx 4096] [--seed 42] [--temp 0.8]
 
+``--ctx 0`` takes the model's training context (llama.cpp's rule for n_ctx 0).
+
 The generated text goes to stdout (streamed); the speed (prompt and
 generation tokens/s) and the KV residency report -- where llama.cpp allocated
 the KV cache, per buffer type, and how each layer's heads are split -- go to
@@ -22,7 +24,7 @@ from pyllama_headinfer.api.model import Model
 from pyllama_headinfer.api.residency import format_kv_residency, split_summary
 from pyllama_headinfer.api.sampler import Sampler
 from pyllama_headinfer.errors import EXIT_OK, UsageError
-from pyllama_headinfer.cli.options import add_headinfer_mode_arguments
+from pyllama_headinfer.cli.options import CTX_ZERO_HELP, add_headinfer_mode_arguments, add_threads_argument
 from pyllama_headinfer.params import ContextParams
 from pyllama_headinfer.runtime import bindings
 from pyllama_headinfer.vram.speed import rank_options
@@ -44,10 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_headinfer_mode_arguments(parser)
     parser.add_argument("--ngl", "--n-gpu-layers", dest="ngl", type=int, default=0,
                         help="layers to offload to the GPU (-1 = all; default 0)")
-    parser.add_argument("--ctx", "-c", type=int, default=4096, help="context size (default 4096)")
+    parser.add_argument("--ctx", "-c", type=int, default=4096,
+                        help=f"context size in tokens (default 4096; {CTX_ZERO_HELP})")
     parser.add_argument("--batch", type=int, default=ContextParams.n_batch,
                         help=f"logical batch size (default {ContextParams.n_batch})")
-    parser.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: llama.cpp's)")
+    add_threads_argument(parser)
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     parser.add_argument("--temp", type=float, default=0.8, help="temperature; <= 0 means greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, default=40, help="top-k (default 40, 0 = off)")

@@ -46,7 +46,7 @@ class Subcommand(NamedTuple):
 
 SUBCOMMANDS: Sequence[Subcommand] = (
     Subcommand("source", "pyllama_headinfer.cli.source", "fetch, verify or locate the pinned llama.cpp source"),
-    Subcommand("patch", "pyllama_headinfer.cli.patch", "check, apply, revert, inspect or export the patch series"),
+    Subcommand("patch", "pyllama_headinfer.cli.patch", "check, apply, revert, inspect, export, re-target or lint the patch series"),
     Subcommand("build", "pyllama_headinfer.cli.build", "configure and compile the patched llama.cpp"),
     Subcommand("generate", "pyllama_headinfer.cli.generate", "generate text with HeadInfer"),
     Subcommand("plan", "pyllama_headinfer.cli.plan", "choose the head fraction from a VRAM budget (no weights loaded)"),

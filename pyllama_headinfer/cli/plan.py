@@ -19,7 +19,7 @@ import json
 import shlex
 import sys
 
-from pyllama_headinfer.cli.options import ATTN_CHUNK_HELP
+from pyllama_headinfer.cli.options import ATTN_CHUNK_HELP, CTX_ZERO_HELP
 from pyllama_headinfer.errors import EXIT_FAILURE, EXIT_OK
 from pyllama_headinfer.params import KV_CACHE_TYPES, ContextParams, parse_size
 from pyllama_headinfer.vram.model import read_model_info
@@ -29,7 +29,7 @@ from pyllama_headinfer.vram.speed import load_calibration, rank_options
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", required=True, help="GGUF model file (only its metadata is read)")
-    parser.add_argument("--ctx", "-c", type=int, required=True, help="context size (0 = the model's training context)")
+    parser.add_argument("--ctx", "-c", type=int, required=True, help=f"context size in tokens ({CTX_ZERO_HELP})")
     parser.add_argument("--vram", "--vram-budget", dest="vram", default=None,
                         help="GPU memory budget, e.g. 24GiB, 80GB, 23000MiB (no budget: just the table)")
     parser.add_argument("--ngl", "--n-gpu-layers", dest="ngl", type=int, default=-1,

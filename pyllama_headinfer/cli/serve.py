@@ -5,7 +5,11 @@ current build, under the HeadInfer split.
         [--host 127.0.0.1] [--port 8080] [-- extra llama-server arguments]
 
 Starts ``llama-server`` (built by ``build --tools``, found through the build's
-manifest) with flash attention on and ``-hgf F``; with ``--vram-budget`` the
+manifest) with flash attention on, ``-hgf F`` and ``-t N``, N the CPUs this
+process may run on (:func:`~pyllama_headinfer.params.default_n_threads`;
+llama-server's own default is the machine's physical cores, affinity or not),
+unless the extra arguments give ``-t``/``--threads`` or ``LLAMA_ARG_THREADS``
+is set; with ``--vram-budget`` the
 fraction comes from the planner, fed with the server's context size, slots,
 cache types and attention mode taken from the extra arguments (``-c``, ``-np``,
 ``-ctk``, ``-ctv``, ``-b``, ``-ub``, ``-ngl``, ``-kvu``, ``--headinfer-attn``,
@@ -44,8 +48,9 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from pyllama_headinfer.errors import PlanError, ServeError, UsageError
-from pyllama_headinfer.params import ContextParams, check_headinfer_frac, format_bytes
-from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, announce, find_manifest
+from pyllama_headinfer.cli.options import THREADS_DEFAULT_HELP
+from pyllama_headinfer.params import ContextParams, check_headinfer_frac, default_n_threads, format_bytes
+from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, Manifest, announce, find_manifest
 from pyllama_headinfer.vram.model import read_model_info
 from pyllama_headinfer.vram.speed import rank_options
 
@@ -67,6 +72,7 @@ _PASSTHROUGH_VALUES = {
     "attn_chunk": ("--headinfer-attn-chunk",),
 }
 _OWNED = ("-m", "--model", "--host", "--port", "-hgf", "--headinfer-gpu-heads-frac")
+_THREADS = ("-t", "--threads")  # serve passes -t unless one is given, or LLAMA_ARG_THREADS (common/arg.cpp) is set
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080, llama-server's)")
     parser.add_argument("server_args", nargs=argparse.REMAINDER, metavar="-- ARGS",
-                        help="more llama-server arguments, after --")
+                        help="more llama-server arguments, after -- (e.g. -c N, the context size; -c 0 = "
+                             "the model's training context, llama-server's default); -t (CPU threads) defaults to "
+                             f"{THREADS_DEFAULT_HELP.format(n=default_n_threads())} (llama-server's own "
+                             "default: the machine's physical cores)")
 
 
 @dataclass
@@ -94,6 +103,7 @@ class ServerCommand:
     url: str
     frac: float
     notes: List[str] = field(default_factory=list)
+    backend: Optional[str] = None  # the build's ("cpu", "cuda"; manifest.json), None when not known
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,9 +121,9 @@ def run(args: argparse.Namespace) -> int:
 # the command line of the server
 
 
-def find_server() -> Path:
+def find_server(manifest: Optional[Manifest] = None) -> Path:
     """The llama-server of the build in use (``build --tools`` makes it)."""
-    manifest = find_manifest()
+    manifest = manifest or find_manifest()
     announce(manifest)
     bdir = manifest.build_dir
     path = (manifest.data.get("executables") or {}).get(SERVER)
@@ -155,9 +165,10 @@ def _server_slots(extra: Sequence[str]) -> Tuple[int, bool]:
 
 
 def server_command(model, *, frac: Optional[float], vram_budget, margin, host: str, port: int,
-                   extra: Sequence[str], server: Optional[Path] = None,
+                   extra: Sequence[str], server: Optional[Path] = None, backend: Optional[str] = None,
                    allow_quantized_kv: bool = False) -> ServerCommand:
-    """The llama-server command line for these arguments (no process started)."""
+    """The llama-server command line for these arguments (no process started). ``server``
+    (and its build's ``backend``) default to the build in use's."""
     model = Path(model)
     if not model.is_file():
         raise UsageError(f"model not found: {model}")
@@ -183,11 +194,15 @@ def server_command(model, *, frac: Optional[float], vram_budget, margin, host: s
                      "carries as many cells of every slot as the longest slot uses (up to -np times the cells in "
                      "use when the slots' lengths differ); -kvu (one cache for all slots, llama-server's default "
                      "without -np) uploads only the cells in use (docs/SERVING.md)")
-    server = server or find_server()
+    if server is None:
+        manifest = find_manifest()
+        server, backend = find_server(manifest), manifest.data.get("backend")
+    given = any(w.split("=", 1)[0] in _THREADS for w in extra) or "LLAMA_ARG_THREADS" in os.environ
+    threads = [] if given else ["-t", str(default_n_threads())]
     argv = [str(server), "-m", str(model), "--host", host, "--port", str(port), "-fa", "on",
-            "-hgf", f"{frac:.9g}", *extra]
+            "-hgf", f"{frac:.9g}", *threads, *extra]
     shown = f"[{host}]" if ":" in host else host
-    return ServerCommand(argv=argv, url=f"http://{shown}:{port}", frac=frac, notes=notes)
+    return ServerCommand(argv=argv, url=f"http://{shown}:{port}", frac=frac, notes=notes, backend=backend)
 
 
 def _frac_for_server(model: Path, vram_budget, margin, extra: Sequence[str], allow_quantized_kv: bool):
@@ -343,10 +358,19 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> int:
     return proc.returncode
 
 
-def split_decision(pump: _LogPump, frac: float) -> str:
-    """What llama.cpp logged about the split (the server's own lines), for the user."""
+# where the KV cache lives without the split, by the build's backend
+_WHOLE_KV = {
+    "cpu": "the whole KV cache in CPU memory (a CPU build: no device)",
+    "cuda": "the whole KV cache in the layers' own buffers (on the GPU for the layers offloaded with -ngl)",
+}
+
+
+def split_decision(pump: _LogPump, frac: float, backend: Optional[str] = None) -> str:
+    """What llama.cpp logged about the split (the server's own lines), for the user;
+    at frac 1.0 where the KV cache is, as far as the build's ``backend`` tells."""
     if frac >= 1.0:
-        return "HeadInfer split off (frac 1.0): the whole KV cache on the device"
+        where = _WHOLE_KV.get(backend, "the whole KV cache in the layers' own buffers")
+        return f"HeadInfer split off (frac 1.0): {where}"
     if not pump.headinfer:
         return f"frac {frac:g} requested; llama-server logged nothing about the split"
     return "; ".join(line.split("headinfer:", 1)[-1].strip() for line in pump.headinfer)
@@ -356,7 +380,7 @@ def serve(command: ServerCommand) -> int:
     """Run the server in the foreground until it exits or we are stopped."""
     proc, pump = start_server(command)
     print(f"{SERVER} ready at {command.url} (OpenAI API: {command.url}/v1)", file=sys.stderr)
-    print(f"split: {split_decision(pump, command.frac)}", file=sys.stderr)
+    print(f"split: {split_decision(pump, command.frac, command.backend)}", file=sys.stderr)
 
     def forward(signum, _frame):
         if proc.poll() is None:

@@ -17,10 +17,17 @@ repository that holds only the files the series touches (seconds, not the
    * ``merged``: ``git am -3`` merges it without a conflict;
    * ``replayed``: this patch, unchanged, was resolved by hand onto this very
      state before -- the earlier result (in the output series) is used again;
-   * ``resolved``: it conflicted, and every conflict has a recorded resolution;
+   * ``resolved``: it conflicted, and every conflict -- a block of conflict
+     markers whose two sides, the tree's and the patch's, were found in the
+     merged file -- has a recorded resolution for exactly those sides;
    * ``CONFLICT``: conflicts remain; the result is committed *with* the
      markers, so the patches after it are still tried, and each conflict is
      reported with its file, line and the upstream code now standing there.
+     A conflict over a whole file (the tree lacks a file the patch changes,
+     the patch deletes a file the tree changed, a binary file) has no markers
+     and no recorded resolution can settle it: it is always a ``CONFLICT``
+     (it once counted as ``resolved``, having no unresolved markers, so the
+     series "applied" to a tree that lacked its files).
 
 Recorded resolutions are the equivalent of ``git rerere``, kept next to the
 target series as small JSON files (``<out>/resolutions/<id>.json``: the patch,
@@ -87,6 +94,7 @@ class Conflict:
     ours: str  # the target tree's side (upstream, plus the patches before this one)
     theirs: str  # the patch's side
     resolved: bool = False
+    whole_file: str = ""  # a conflict over the whole file, without markers: what happened to it (line 0)
 
     @property
     def ident(self) -> str:
@@ -94,6 +102,8 @@ class Conflict:
         return hashlib.sha1(f"{self.path}\0{self.ours}\0{self.theirs}".encode()).hexdigest()[:16]
 
     def describe(self) -> str:
+        if self.whole_file:
+            return f"    {self.path}: {self.whole_file}"
         shown = self.ours.splitlines()[:SHOWN_LINES]
         more = len(self.ours.splitlines()) - len(shown)
         lines = [f"    {self.path}:{self.line}: {'resolved from record ' + self.ident if self.resolved else 'conflict ' + self.ident}"]
@@ -391,6 +401,19 @@ class Scratch:
         out = self.git("diff", "--name-only", "--diff-filter=U").stdout
         return sorted(set(out.split()))
 
+    def whole_file_conflict(self, relative: str) -> Conflict:
+        """The conflict of an unmerged file that has no conflict markers, from the index stages
+        git left (1: the pin's, 2: the tree's, 3: the patch's)."""
+        out = self.git("ls-files", "-u", "-z", "--", relative).stdout
+        stages = {int(entry.split("\t", 1)[0].split()[2]) for entry in out.split("\0") if entry.strip()}
+        if 2 not in stages and 3 in stages:
+            what = "the tree has no such file (deleted or never there); the patch changes it"
+        elif 3 not in stages and 2 in stages:
+            what = "the patch deletes this file, which the tree changed"
+        else:
+            what = "both changed the file and git left no conflict markers (a binary file?)"
+        return Conflict(relative, 0, "", "", whole_file=what)
+
     def read(self, relative: str) -> str:
         return (self.root / relative).read_text(encoding="utf-8", errors="surrogateescape")
 
@@ -509,13 +532,20 @@ def _replay_one(scratch: Scratch, patch: Patch, resolutions: Resolutions,
         raise PatchError(f"git am -3 could not apply {patch.name} and left no conflict to resolve")
     conflicts: List[Conflict] = []
     for relative in files:
-        text, found = resolve_text(relative, scratch.read(relative), resolutions)
-        scratch.write(relative, text)
+        found: List[Conflict] = []
+        if (scratch.root / relative).is_file():
+            text, found = resolve_text(relative, scratch.read(relative), resolutions)
+            if found:
+                scratch.write(relative, text)
+        if not found:  # unmerged without markers: nothing was found that a resolution could answer
+            found = [scratch.whole_file_conflict(relative)]
         conflicts.extend(found)
     scratch.finish_am()
     left = [c for c in conflicts if not c.resolved]
-    verdict = Verdict.CONFLICT if left else Verdict.RESOLVED
-    note = (f"{len(left)} of {len(conflicts)} conflict(s) left with markers in "
+    # "resolved" only when each conflict is a marker block whose recorded resolution was used
+    verdict = Verdict.CONFLICT if left or not conflicts else Verdict.RESOLVED
+    how = "unresolved" if any(c.whole_file for c in left) else "with markers"
+    note = (f"{len(left)} of {len(conflicts)} conflict(s) left {how} in "
             f"{', '.join(sorted({c.path for c in left}))}") if left else ""
     return _with_note(PatchResult(patch.name, verdict, tuple(conflicts), note), _carry_message(scratch, patch, edits))
 

@@ -55,7 +55,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from pyllama_headinfer import paths, pin
 from pyllama_headinfer.source.archive import extract_subtree
-from pyllama_headinfer.errors import HeadInferError, SourceError, UsageError
+from pyllama_headinfer.errors import CacheError, HeadInferError, SourceError, UsageError
 from pyllama_headinfer.pin import PinnedFile
 from pyllama_headinfer.source.tree_verify import (PathLike, check_pin_listing, compare_listings, forget_stat_cache,
                                                   move_stat_cache, scan_tree, verify_tree)
@@ -90,13 +90,17 @@ def pristine(tree: PathLike) -> Tuple[bool, str]:
 # where things go in the cache
 
 
+# the cache's subdirectories written here, each created by paths.writable_cache_dir before it is written
+SRC_DIR, DOWNLOADS_DIR, REPLACED_TIMES_DIR = "src", "downloads", "replaced-file-times"
+
+
 def cached_tree_path() -> Path:
     """Where the active pin's tree is cached."""
-    return paths.cache_dir() / "src" / pin.active().source_dirname
+    return paths.cache_dir() / SRC_DIR / pin.active().source_dirname
 
 
 def downloads_dir() -> Path:
-    return paths.cache_dir() / "downloads"
+    return paths.cache_dir() / DOWNLOADS_DIR
 
 
 def archive_url() -> Optional[str]:
@@ -197,7 +201,8 @@ def sdist_archive(sdist: pin.Sdist = pin.PYTHON_LAYER_SDIST) -> Path:
     """An sdist in the downloads directory (default: llama-cpp-python's, whose Python layer
     :mod:`.python_layer` verifies), downloaded with pip if it is not there."""
     downloads = downloads_dir()
-    downloads.mkdir(parents=True, exist_ok=True)
+    if _find_sdist(downloads, sdist) is None:  # a read-only cache may still give one downloaded earlier
+        downloads = paths.writable_cache_dir(DOWNLOADS_DIR)
     return _download_sdist(downloads, sdist)[0]
 
 
@@ -277,12 +282,12 @@ def _keep_unchanged_mtimes(old: Path, new: Path) -> None:
                 differing[rel.as_posix()] = [hashlib.sha256(previous.read_bytes()).hexdigest(),
                                              st.st_atime_ns, st.st_mtime_ns]
     record = _replaced_times_path(old)
-    record.parent.mkdir(parents=True, exist_ok=True)
+    paths.writable_cache_dir(REPLACED_TIMES_DIR)
     record.write_text(json.dumps(differing), encoding="utf-8")
 
 
 def _replaced_times_path(tree: Path) -> Path:
-    return paths.cache_dir() / "replaced-file-times" / (hashlib.sha256(str(tree).encode()).hexdigest()[:16] + ".json")
+    return paths.cache_dir() / REPLACED_TIMES_DIR / (hashlib.sha256(str(tree).encode()).hexdigest()[:16] + ".json")
 
 
 def take_replaced_file_times(tree: os.PathLike) -> Dict[str, Tuple[str, int, int]]:
@@ -317,13 +322,17 @@ def _extract_checked(archive: Path, target: Path, subdir: str, expected: Mapping
 def _from_sources(action: Callable[[_Fetcher, Path], Path], what: str, tried: List[str]) -> Path:
     """``action(fetcher, downloads dir)`` with each source in turn (one downloaded earlier first)
     until one succeeds; a failure with a source left to try is an INFO line, all failing an error
-    listing ``tried`` (which the caller may have started)."""
+    listing ``tried`` (which the caller may have started). The downloads directory must be
+    writable unless it holds an archive already (a read-only cache may still give its files)."""
     downloads = downloads_dir()
-    downloads.mkdir(parents=True, exist_ok=True)
     sources = _remote_sources(downloads)
+    if not any(fetcher.downloaded(downloads) for fetcher in sources):
+        paths.writable_cache_dir(DOWNLOADS_DIR)
     for i, fetcher in enumerate(sources):
         try:
             return action(fetcher, downloads)
+        except CacheError:
+            raise  # not this source's fault: the next one needs the cache too
         except (HeadInferError, OSError, subprocess.SubprocessError) as exc:
             tried.append(f"{fetcher.label}: {exc}")
             if i + 1 < len(sources):  # not an error yet: the next source may well work
@@ -333,6 +342,7 @@ def _from_sources(action: Callable[[_Fetcher, Path], Path], what: str, tried: Li
 
 def _fetch_into_cache(tried: List[str], *, replace: bool = False) -> Path:
     final = cached_tree_path()
+    paths.writable_cache_dir(SRC_DIR)  # before anything is downloaded
 
     def fetch_one(fetcher: _Fetcher, downloads: Path) -> Path:
         archive, subdir = fetcher.download(downloads)
@@ -434,6 +444,29 @@ def ensure_source(llama_src: Optional[PathLike] = None, *, allow_unverified: boo
     if cached.exists():
         return _use_existing(cached, "the cached tree", allow_unverified, _CACHED_RECIPE, accept)
     return _fetch_into_cache([f"cached tree: none at {cached}"])
+
+
+# What makes a directory a llama.cpp tree, for the commands that work on one (``patch
+# check|apply|revert|status|export|rebase`` on the C series): these files, which every llama.cpp
+# of the layout since mid-2024 has (ggml in ggml/, the library in src/, its header in include/;
+# every pin and the trees a series is re-targeted to). A tree missing any of them is bad input
+# (exit 2) before any work: without it, a wrong --llama-src (an empty directory, a project's
+# own checkout) is "another llama.cpp" to the 3-way drift report, whose every patch then meets a
+# tree without its files. The pin's identity is a different question (``verify_tree``).
+LLAMA_CPP_KEY_FILES = ("CMakeLists.txt", "include/llama.h", "ggml/include/ggml.h", "src/llama.cpp")
+
+
+def missing_key_files(tree: PathLike) -> List[str]:
+    """The :data:`LLAMA_CPP_KEY_FILES` that ``tree`` lacks ([] for a llama.cpp tree)."""
+    return [relative for relative in LLAMA_CPP_KEY_FILES if not (Path(tree) / relative).is_file()]
+
+
+def require_llama_tree(tree: PathLike) -> Path:
+    """``tree`` when it is a llama.cpp tree (see :data:`LLAMA_CPP_KEY_FILES`), else a UsageError."""
+    missing = missing_key_files(tree)
+    if missing:
+        raise UsageError(f"{tree} is not a llama.cpp tree: it has no {', '.join(missing)}")
+    return Path(tree)
 
 
 def locate_tree(llama_src: Optional[PathLike] = None) -> Path:

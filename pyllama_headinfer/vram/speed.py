@@ -255,8 +255,11 @@ def rank_options(model, params: ContextParams, *, types: Sequence[str] = CANDIDA
 # calibration files
 
 
+CALIBRATION_DIR = "speed"  # in the cache
+
+
 def calibration_dir() -> Path:
-    return paths.cache_dir() / "speed"
+    return paths.cache_dir() / CALIBRATION_DIR
 
 
 def _slug(device: str) -> str:
@@ -264,8 +267,10 @@ def _slug(device: str) -> str:
 
 
 def save_calibration(c: SpeedConstants, directory: Optional[Path] = None) -> Path:
-    directory = directory or calibration_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    if directory is None:
+        directory = paths.writable_cache_dir(CALIBRATION_DIR)
+    else:
+        directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{_slug(c.device)}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(c.to_dict(), indent=2) + "\n", encoding="utf-8")
