@@ -50,10 +50,13 @@ maps = [l.split()[-1] for l in open("/proc/self/maps") if "libllama" in l or "li
 print(json.dumps({"version": llama_cpp.__version__, "available": llama_cpp.HEADINFER_AVAILABLE,
                   "default": p.headinfer_gpu_heads_frac, "size": ctypes.sizeof(llama_cpp.llama_context_params),
                   "offset": llama_cpp.llama_context_params.headinfer_gpu_heads_frac.offset,
-                  "stream": [p.headinfer_stream, llama_cpp.llama_context_params.headinfer_stream.offset],
                   "attn": [p.headinfer_attn, llama_cpp.llama_context_params.headinfer_attn.offset],
                   "chunk": [p.headinfer_attn_chunk, llama_cpp.llama_context_params.headinfer_attn_chunk.offset,
                             llama_cpp.LLAMA_HEADINFER_ATTN_CHUNKED],
+                  "fields": [f[0] for f in llama_cpp.llama_context_params._fields_],
+                  "removed": [n for n in ("LLAMA_HEADINFER_ATTN_PARTS", "LLAMA_HEADINFER_STREAM_OFF",
+                                          "LLAMA_HEADINFER_STREAM_GPU", "LLAMA_HEADINFER_STREAM_ANY")
+                              if hasattr(llama_cpp, n)],
                   "file": llama_cpp.__file__, "maps": sorted(set(maps))}))
 """, split=False)
     assert out["version"].startswith(f"{pin.PYTHON_LAYER_SDIST.version}+headinfer.")
@@ -61,13 +64,21 @@ print(json.dumps({"version": llama_cpp.__version__, "available": llama_cpp.HEADI
     # the ctypes mirror has the C layout (the cffi module is compiled against the patched llama.h)
     assert out["size"] == ffi.sizeof("struct llama_context_params")
     assert out["offset"] == ffi.offsetof("struct llama_context_params", "headinfer_gpu_heads_frac")
-    assert out["stream"] == [1, ffi.offsetof("struct llama_context_params", "headinfer_stream")]  # GPU by default
     assert out["attn"] == [0, ffi.offsetof("struct llama_context_params", "headinfer_attn")]  # joined
     assert out["chunk"] == [0, ffi.offsetof("struct llama_context_params", "headinfer_attn_chunk"),
                             _lib.LLAMA_HEADINFER_ATTN_CHUNKED]
+    assert out["chunk"][2] == 1  # JOINED = 0, CHUNKED = 1: there is no mode between them any more
+    # the struct ends with the three HeadInfer fields, in llama.h's order; the streaming switch is gone from both
+    assert out["fields"][-3:] == ["headinfer_gpu_heads_frac", "headinfer_attn", "headinfer_attn_chunk"]
+    assert "headinfer_stream" not in out["fields"] and out["removed"] == []
+    assert "headinfer_stream" not in _struct_fields(ffi, "struct llama_context_params")
     # the libraries come from the wheel (relocatable: $ORIGIN), not from the build directory
     site = str(Path(out["file"]).parent)
     assert out["maps"] and all(m.startswith(site + "/lib/") for m in out["maps"]), out["maps"]
+
+
+def _struct_fields(ffi, name: str) -> list:
+    return [field for field, _ in ffi.typeof(name).fields]
 
 
 def test_wheel_libraries_find_each_other_by_origin(lcp):
@@ -131,13 +142,13 @@ def test_only_a_build_of_the_binding_s_pin_is_packed():
 
 def test_python_series_is_separate_and_applied(lcp):
     names = read_series_names(paths.python_patches_dir())
-    assert len(names) == 10 and all(n.endswith(".patch") for n in names)
+    assert len(names) == 9 and all(n.endswith(".patch") for n in names)
     assert not set(names) & set(read_series_names())  # the C series does not list them
     tree = build_dir() / "llama-cpp-python" / "src"
     result = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "patch", "status", "--series",
                              "llama-cpp-python", "--llama-src", str(tree)], cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
-    assert result.returncode == 0 and "APPLIED: all 10 patches" in result.stdout, result.stdout
+    assert result.returncode == 0 and "APPLIED: all 9 patches" in result.stdout, result.stdout
 
 
 # --------------------------------------------------------------------------
@@ -232,29 +243,36 @@ model = sys.argv[1]
 kw = dict(n_ctx=1024, n_batch=256, seed=7, flash_attn=True, verbose=False, logits_all=True)
 prompt = " ".join(["Once upon a time there was a little town by the sea."] * 20)  # ~580 tokens: 3 chunks of 256
 out = {}
-for attn, frac, stream in (("chunked", 1.0, "gpu"), ("chunked", 0.5, "off"), ("joined", 1.0, "gpu")):
+for attn, frac in (("chunked", 1.0), ("chunked", 0.5), ("joined", 1.0)):
     extra = dict(headinfer_attn_chunk=256) if attn == "chunked" else {}
-    llm = Llama(model, headinfer_gpu_heads_frac=frac, headinfer_attn=attn, headinfer_stream=stream, **extra, **kw)
+    llm = Llama(model, headinfer_gpu_heads_frac=frac, headinfer_attn=attn, **extra, **kw)
     r = llm.create_completion(prompt, max_tokens=8, temperature=0.0)
     scores = llm.scores[: llm.n_tokens].copy()
     state = llm.__getstate__()
     out["default chunk"] = llama_cpp.llama_model_headinfer_attn_chunk(llm.model)
     out[f"{attn} {frac}"] = {"text": r["choices"][0]["text"], "n_tokens": llm.n_tokens,
                              "logits": hashlib.sha256(scores.tobytes()).hexdigest(),
-                             "getstate": [state["headinfer_attn"], state["headinfer_attn_chunk"],
-                                          state["headinfer_stream"]]}
+                             "getstate": [state["headinfer_attn"], state["headinfer_attn_chunk"]],
+                             "stream in getstate": "headinfer_stream" in state}
 bad = {}
 for label, kwargs in (("mode", dict(headinfer_attn="sideways")),
+                      ("parts", dict(headinfer_attn="parts")),
                       ("chunk", dict(headinfer_attn="chunked", headinfer_attn_chunk=300)),
                       ("chunk without chunks", dict(headinfer_attn_chunk=512)),
-                      ("no flash", dict(headinfer_attn="chunked", flash_attn=False)),
-                      ("stream", dict(headinfer_stream="sometimes"))):
+                      ("no flash", dict(headinfer_attn="chunked", flash_attn=False))):
     try:
         Llama(model, verbose=False, **{"flash_attn": True, **kwargs})
         bad[label] = "accepted"
     except ValueError as exc:
         bad[label] = "ValueError: " + str(exc)
 out["bad"] = bad
+# the streaming switch is gone from llama.h: no keyword of Llama (whose **kwargs swallows unknown ones, upstream's
+# behaviour) and no setting of the server
+import inspect, typing
+from llama_cpp.server.settings import ModelSettings
+out["stream keyword"] = [k for k in inspect.signature(Llama.__init__).parameters if "stream" in k] + \
+    [k for k in ModelSettings.model_fields if "stream" in k]
+out["server modes"] = list(typing.get_args(ModelSettings.model_fields["headinfer_attn"].annotation))
 print(json.dumps(out))
 """
 
@@ -262,20 +280,23 @@ print(json.dumps(out))
 def test_attention_in_chunks_is_the_same_at_any_fraction(lcp, gguf_models):
     """Llama(headinfer_attn="chunked", headinfer_attn_chunk=256): the prompt spans several chunks; the split (0.5)
     gives frac 1.0's text and logits within the mode, another float order than one attention per layer; the keywords
-    survive __getstate__ and bad values are ValueErrors before the model loads."""
+    survive __getstate__ and bad values are ValueErrors before the model loads ("parts", a mode llama.h no longer
+    has, among them); headinfer_stream is neither a keyword nor a server setting."""
     out = run_py(lcp, CHUNKED_CODE, str(gguf_models["llama-gqa"]))
     whole, split, joined = out["chunked 1.0"], out["chunked 0.5"], out["joined 1.0"]
     assert whole["n_tokens"] > 2 * 256, whole
     assert (split["text"], split["logits"]) == (whole["text"], whole["logits"])
     assert joined["logits"] != whole["logits"]  # the chunks are really there
-    assert whole["getstate"] == ["chunked", 256, "gpu"] and joined["getstate"] == ["joined", 0, "gpu"]
-    assert out["default chunk"] == 32768  # the model's (patch 0010): 32 MiB of 4 KV heads of 64 in F16
-    assert split["getstate"] == ["chunked", 256, "off"]
-    assert out["bad"]["mode"].startswith("ValueError: headinfer_attn must be one of"), out["bad"]
+    assert whole["getstate"] == split["getstate"] == ["chunked", 256] and joined["getstate"] == ["joined", 0]
+    assert not any(r["stream in getstate"] for r in (whole, split, joined))
+    assert out["default chunk"] == 32768  # llama_model_headinfer_attn_chunk: 32 MiB of 4 KV heads of 64 in F16
+    for label, value in (("mode", "'sideways'"), ("parts", "'parts'")):
+        assert out["bad"][label] == f"ValueError: headinfer_attn must be one of 'joined', 'chunked', got {value}", \
+            out["bad"]
     assert "multiple of 256" in out["bad"]["chunk"], out["bad"]
     assert "applies to headinfer_attn='chunked' only" in out["bad"]["chunk without chunks"], out["bad"]
     assert "needs flash attention" in out["bad"]["no flash"], out["bad"]
-    assert out["bad"]["stream"].startswith("ValueError: headinfer_stream must be one of"), out["bad"]
+    assert out["stream keyword"] == [] and out["server modes"] == ["joined", "chunked"], out
 
 
 BAD_CODE = r"""
