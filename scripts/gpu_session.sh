@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements of the series, on a machine without network (the device tool's GPU), in parts that
+# each fit one call of at most 10 minutes:
+#
+#   scripts/gpu_session.sh OUTDIR build   # CUDA builds, at once: this series (tools, tests, bindings), the series
+#                                         # before it (tools) and the pin itself (tools, test-backend-ops), with the
+#                                         # same flags; a second call resumes what the first's limit stopped
+#   scripts/gpu_session.sh OUTDIR checks  # test-backend-ops for the ops the series touches, test-backend-sched,
+#                                         # test-llama-archs, gpu_check --no-cuda-fusion joined and chunked (~5 min)
+#   scripts/gpu_session.sh OUTDIR perf    # plain FLASH_ATTN_EXT perf, the pin against this series (~2 min)
+#   scripts/gpu_session.sh OUTDIR decode  # the decode table, this series against the series before it, one model,
+#                                         # interleaved, with the host-to-device copy rate before and after (~6 min)
+#
+# Needs, in the checkout: .gpu-carry/llama.cpp-<pin commit>.tar.gz (a GitHub-style archive of the pin's tree),
+# .gpu-carry/old-series/ (the series to compare with: its patches and `series` file) and .whl/ (cffi, pycparser and
+# gguf wheels for the machine's python3); both folders ignored by git and named in the device tool's `carry`.
+# Builds go to build/cuda-new, build/cuda-old and build/cuda-pin.
+set -uo pipefail
+
+out=${1:?usage: $0 OUTDIR build|pin|checks|perf|decode}
+part=${2:?usage: $0 OUTDIR build|pin|checks|perf|decode}
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+mkdir -p "$out"
+commit=$(PYTHONPATH=$root python3 -c 'from pyllama_headinfer import pin; print(pin.active().commit)')
+archive=.gpu-carry/llama.cpp-$commit.tar.gz
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$root
+model=/tmp/b8.gguf
+
+tree() {  # variant: its copy of the pin's tree (extracted once per machine: a call that resumes a build keeps it)
+    local d=/tmp/src-$1
+    [ -d "$d/llama.cpp-$commit" ] || { mkdir -p "$d" && tar xzf "$archive" -C "$d"; }
+    echo "$d/llama.cpp-$commit"
+}
+
+build_variant() {  # variant, series directory, then build options: the project's build of the pin with that series
+    local v=$1 series=$2
+    shift 2
+    mkdir -p "/tmp/cache-$v/downloads"
+    { time timeout "${HI_BUILD_TIMEOUT:-560}" env PYLLAMA_HEADINFER_CACHE=/tmp/cache-$v PYLLAMA_HEADINFER_PATCHES=$series \
+        python3 -m pyllama_headinfer build --llama-src "$(tree "$v")" --build-dir "build/cuda-$v" --cuda-arch 90 "$@"; } \
+        > "$out/build-$v.log" 2>&1
+    echo "build exit $?" >> "$out/build-$v.log"
+}
+
+bench_model() {  # the 8B-shaped benchmark model (random weights; scripts/make_bench_model.py), once per machine
+    [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"
+}
+
+case $part in
+build)  # all three at once (a call that stops at its limit leaves them to the next one, which resumes them)
+    mkdir -p /tmp/empty-series && : > /tmp/empty-series/series
+    build_variant new "$root/patches/b11312" --tools -j 8 -DLLAMA_BUILD_TESTS=ON &
+    build_variant old "$root/.gpu-carry/old-series" --tools --no-bindings -j 6 &
+    build_variant pin /tmp/empty-series --tools --no-bindings -j 4 -DLLAMA_BUILD_TESTS=ON &
+    wait
+    { time timeout 300 ninja -C build/cuda-old llama-bench; } >> "$out/build-old.log" 2>&1
+    echo "llama-bench build exit $?" >> "$out/build-old.log"
+    { time timeout 300 ninja -C build/cuda-new test-backend-ops test-backend-sched test-llama-archs; } >> "$out/build-new.log" 2>&1
+    echo "tests build exit $?" >> "$out/build-new.log"
+    { time timeout 300 ninja -C build/cuda-pin test-backend-ops; } >> "$out/build-pin.log" 2>&1
+    echo "test-backend-ops build exit $?" >> "$out/build-pin.log"
+    ;;
+checks)
+    tbo=build/cuda-new/bin/test-backend-ops
+    for op in SET_ROWS CONCAT CPY FLASH_ATTN_EXT_LSE FLASH_ATTN_EXT; do
+        { echo "== test-backend-ops -o $op -b CUDA0"
+          timeout 200 "$tbo" -o "$op" -b CUDA0 2>&1 | grep -E "FAIL|tests passed|Backend CUDA0"
+          echo "exit ${PIPESTATUS[0]}"; } >> "$out/test_backend_ops.txt"
+    done
+    { time build/cuda-new/bin/test-backend-sched; } > "$out/test_backend_sched.txt" 2>&1
+    echo "test-backend-sched exit $?" >> "$out/test_backend_sched.txt"
+    build/cuda-new/bin/test-llama-archs -a llama > "$out/test_llama_archs.txt" 2>&1
+    echo "test-llama-archs exit $?" >> "$out/test_llama_archs.txt"
+    export PYLLAMA_HEADINFER_BUILD_DIR=$root/build/cuda-new
+    { time env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check_joined.txt" 2>&1
+    echo "gpu_check exit $?" >> "$out/gpu_check_joined.txt"
+    { time env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --attn chunked --attn-chunk 256 \
+        --scenarios greedy,state,shift,streams,full; } > "$out/gpu_check_chunked.txt" 2>&1
+    echo "gpu_check exit $?" >> "$out/gpu_check_chunked.txt"
+    ;;
+perf)
+    # plain flash attention, decode and prefill shapes of an 8B-shaped model's heads: the series must not change it
+    for v in pin new pin new; do
+        echo "== $v" >> "$out/fa_perf.txt"
+        timeout 120 "build/cuda-$v/bin/test-backend-ops" perf -o FLASH_ATTN_EXT -b CUDA0 2>&1 | grep -E "FLASH_ATTN_EXT\(" \
+            >> "$out/fa_perf.txt"
+    done
+    ;;
+decode)
+    bench_model > "$out/model.log" 2>&1
+    { echo "== before"; python3 scripts/h2d_bandwidth.py; } > "$out/h2d.txt" 2>&1
+    for args in "-hgf 1,0.75,0.5,0.25 -d 8192,32768 -n 32" "-hgf 1,0.5,0.25 -d 131072 -n 16 -ub 2048"; do
+        for v in old new; do
+            echo "== $v: llama-bench -m b8 -ngl 99 -fa 1 -ctk f16 -ctv f16 -p 0 -r 1 $args" >> "$out/decode.md"
+            # shellcheck disable=SC2086
+            "build/cuda-$v/bin/llama-bench" -m "$model" -ngl 99 -fa 1 -ctk f16 -ctv f16 -p 0 -r 1 $args -o md \
+                >> "$out/decode.md" 2>> "$out/decode.err"
+        done
+    done
+    { echo "== after"; python3 scripts/h2d_bandwidth.py; } >> "$out/h2d.txt" 2>&1
+    ;;
+*)
+    echo "unknown part: $part" >&2
+    exit 2
+    ;;
+esac
