@@ -3,8 +3,8 @@
 # each fit one call of at most 10 minutes:
 #
 #   scripts/gpu_session.sh OUTDIR build   # CUDA builds, at once: this series (tools, tests, bindings), the series
-#                                         # before it (tools) and the pin itself (tools, test-backend-ops), with the
-#                                         # same flags; a second call resumes what the first's limit stopped
+#                                         # before it (tools) and the pin itself (test-backend-ops), sm_90; a
+#                                         # second call resumes what the first's limit stopped
 #   scripts/gpu_session.sh OUTDIR checks  # test-backend-ops for the ops the series touches, test-backend-sched,
 #                                         # test-llama-archs, gpu_check --no-cuda-fusion joined and chunked (~5 min)
 #   scripts/gpu_session.sh OUTDIR perf    # plain FLASH_ATTN_EXT perf, the pin against this series (~2 min)
@@ -17,8 +17,8 @@
 # Builds go to build/cuda-new, build/cuda-old and build/cuda-pin.
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|pin|checks|perf|decode}
-part=${2:?usage: $0 OUTDIR build|pin|checks|perf|decode}
+out=${1:?usage: $0 OUTDIR build|checks|perf|decode}
+part=${2:?usage: $0 OUTDIR build|checks|perf|decode}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -52,17 +52,19 @@ bench_model() {  # the 8B-shaped benchmark model (random weights; scripts/make_b
 
 case $part in
 build)  # all three at once (a call that stops at its limit leaves them to the next one, which resumes them)
-    mkdir -p /tmp/empty-series && : > /tmp/empty-series/series
     build_variant new "$root/patches/b11312" --tools -j 8 -DLLAMA_BUILD_TESTS=ON &
-    build_variant old "$root/.gpu-carry/old-series" --tools --no-bindings -j 6 &
-    build_variant pin /tmp/empty-series --tools --no-bindings -j 4 -DLLAMA_BUILD_TESTS=ON &
+    build_variant old "$root/.gpu-carry/old-series" --tools --no-bindings -j 5 &
+    # the pin: plain CMake with the flags that matter to the kernels (those of the project's build), ggml and
+    # test-backend-ops only
+    { time timeout "${HI_BUILD_TIMEOUT:-560}" bash -c "cmake -S '$(tree pin)' -B build/cuda-pin -G Ninja \
+        -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > /dev/null && ninja -C build/cuda-pin -j 3 test-backend-ops"; } \
+        > "$out/build-pin.log" 2>&1
+    echo "build exit $?" >> "$out/build-pin.log"
     wait
-    { time timeout 300 ninja -C build/cuda-old llama-bench; } >> "$out/build-old.log" 2>&1
-    echo "llama-bench build exit $?" >> "$out/build-old.log"
     { time timeout 300 ninja -C build/cuda-new test-backend-ops test-backend-sched test-llama-archs; } >> "$out/build-new.log" 2>&1
     echo "tests build exit $?" >> "$out/build-new.log"
-    { time timeout 300 ninja -C build/cuda-pin test-backend-ops; } >> "$out/build-pin.log" 2>&1
-    echo "test-backend-ops build exit $?" >> "$out/build-pin.log"
     ;;
 checks)
     tbo=build/cuda-new/bin/test-backend-ops
