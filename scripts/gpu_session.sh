@@ -17,8 +17,8 @@
 # Builds go to build/cuda-new, build/cuda-old and build/cuda-pin.
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|checks|perf|decode}
-part=${2:?usage: $0 OUTDIR build|checks|perf|decode}
+out=${1:?usage: $0 OUTDIR build|quick|checks|perf|decode}
+part=${2:?usage: $0 OUTDIR build|quick|checks|perf|decode}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -65,6 +65,17 @@ build)  # all three at once (a call that stops at its limit leaves them to the n
     wait
     { time timeout 300 ninja -C build/cuda-new test-backend-ops test-backend-sched test-llama-archs; } >> "$out/build-new.log" 2>&1
     echo "tests build exit $?" >> "$out/build-new.log"
+    ;;
+quick)  # this series alone (-j 16), then the checks of the log-sum-exp attention: test-backend-ops, chunked exactness
+    build_variant new "$root/patches/b11312" --tools -j 16 -DLLAMA_BUILD_TESTS=ON
+    { time timeout 200 ninja -C build/cuda-new test-backend-ops; } >> "$out/build-new.log" 2>&1
+    { echo "== test-backend-ops -o FLASH_ATTN_EXT_LSE -b CUDA0"
+      timeout 120 build/cuda-new/bin/test-backend-ops -o FLASH_ATTN_EXT_LSE -b CUDA0 2>&1 | grep -E "FAIL|tests passed|Backend CUDA0"
+      echo "exit ${PIPESTATUS[0]}"; } >> "$out/test_backend_ops.txt"
+    export PYLLAMA_HEADINFER_BUILD_DIR=$root/build/cuda-new
+    { time env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --attn chunked --attn-chunk 256 \
+        --scenarios greedy,state,shift,streams,full; } > "$out/gpu_check_chunked.txt" 2>&1
+    echo "gpu_check exit $?" >> "$out/gpu_check_chunked.txt"
     ;;
 checks)
     tbo=build/cuda-new/bin/test-backend-ops
