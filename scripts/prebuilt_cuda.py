@@ -10,12 +10,12 @@ compiles for sm_90 without a GPU, so the build can be made here and carried:
   <the build tool's ninja> -C /tmp/cubuild llama-batched-bench test-backend-ops test-llama-archs  # not an older one
   python scripts/prebuilt_cuda.py pack /tmp/cubuild .gpu-prebuilt/cuda-sm90.tar.xz
 
-  # there (scripts/h200_session.sh OUT build does this when HI_PREBUILT names the archive)
+  # there (the former scripts/h200_session.sh OUT build did this when HI_PREBUILT named the archive)
   python3 scripts/prebuilt_cuda.py unpack .gpu-prebuilt/cuda-sm90.tar.xz build/cuda-sm90
 
 The archive holds the libraries and tools of ``bin/``, the patched public headers
 and the scheduler test's source (what the Python bindings and
-``scripts/h200_session.sh`` compile against), and the build's manifest.
+the GPU scripts compile against), and the build's manifest.
 ``unpack`` rewrites the manifest's paths for the new directory and compiles the
 bindings for the Python that runs it, so the runtime's stale-build check
 (pin + series hash) still guards the result. Nothing of llama.cpp is committed:
