@@ -12,6 +12,7 @@ import pytest
 
 from conftest import git
 from pyllama_headinfer.cli.main import main
+from pyllama_headinfer.errors import UsageError
 from pyllama_headinfer.patches.lint import author_problems, disclosure_problems, lint, message_problems
 from pyllama_headinfer.source.fetch import cached_tree_path
 
@@ -224,3 +225,31 @@ def test_the_fake_pins_series_is_linted_against_its_pin(fake_pin, pin_tree, caps
     out = capsys.readouterr().out
     assert out.splitlines()[-1].startswith("2 patches: "), out
     assert "example.com is a reserved placeholder domain" in out
+
+
+def test_a_series_of_another_tree_is_refused_and_the_cache_kept(fake_pin, pin_tree, tmp_path, capsys):
+    """The llama-cpp-python layer's series changes files the pin does not have: lint (and rebase,
+    which take the pin's files the same way) refuse it as bad usage, before any archive is opened;
+    an archive lacking files it was asked for would otherwise be deleted as broken."""
+    from pyllama_headinfer import paths
+    from pyllama_headinfer.source.fetch import extract_pin_files
+
+    foreign = make_series(fake_pin, tmp_path / "foreign", [
+        (AUTHOR, "util : one more" + DISCLOSED, {UTIL: util(UTIL_LINES + ["int x;"])}),
+    ])
+    patch = next(foreign.glob("0001-*.patch"))
+    patch.write_text(patch.read_text().replace(UTIL, "llama_cpp/llama.py"))
+    downloads = paths.cache_dir() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    (downloads / "kept.tar.gz").write_bytes(b"an archive")
+
+    for command in (["patch", "lint", "--patches-dir", str(foreign)],
+                    ["patch", "rebase", "--patches-dir", str(foreign), "--onto", "bfake", "--out", str(tmp_path / "out")]):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert "is not a series of llama.cpp bfake" in err and "llama_cpp/llama.py" in err, err
+    assert [p.name for p in downloads.iterdir()] == ["kept.tar.gz"]
+
+    with pytest.raises(UsageError, match="none of llama_cpp/llama.py is a file of llama.cpp"):
+        extract_pin_files(["llama_cpp/llama.py"], tmp_path / "extracted")
+    assert not (tmp_path / "extracted").exists()

@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from pyllama_headinfer import pin
-from pyllama_headinfer.errors import PatchError
+from pyllama_headinfer.errors import PatchError, UsageError
 from pyllama_headinfer.patches.series import Patch, Series, load_series
 from pyllama_headinfer.patches.workspace import Workspace, listing_without, restrict_listing, reversed_prefix, run_git
 
@@ -645,6 +645,22 @@ def drift(tree: Path, pin_tree: Path, source_dir: Optional[Path] = None) -> Reta
     return retarget(tree, pin_tree, source_dir)[0]
 
 
+def files_not_in_pin(series: Series, listing: Dict[str, object]) -> List[str]:
+    """The files ``series`` changes without creating them first (its first change to each has an
+    old side) that are not in ``listing``: a series made for another tree (the llama-cpp-python
+    layer's) has nothing to replay on the pin's files."""
+    seen: set = set()
+    foreign = []
+    for patch in series.patches:
+        for file_patch in patch.files:
+            if file_patch.path in seen:
+                continue
+            seen.add(file_patch.path)
+            if file_patch.old_path is not None and file_patch.old_path not in listing:
+                foreign.append(file_patch.old_path)
+    return sorted(foreign)
+
+
 @contextlib.contextmanager
 def pristine_pin_files(series: Series, extra: Sequence[str] = ()) -> Iterator[Path]:
     """A directory with the files ``series`` touches (and ``extra``) as the active pin has them:
@@ -654,10 +670,15 @@ def pristine_pin_files(series: Series, extra: Sequence[str] = ()) -> Iterator[Pa
     from pyllama_headinfer.source.fetch import extract_pin_files, locate_tree
     from pyllama_headinfer.source.tree_verify import scan_tree
 
+    listing = pin.active().files()
+    foreign = files_not_in_pin(series, listing)
+    if foreign:
+        raise UsageError(f"{series.directory} is not a series of llama.cpp {pin.active().short}: it changes "
+                         f"{', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, which the pin does not have")
     tree = locate_tree()
     state = status(tree, series.directory)
     files = set(series.touched) | set(extra)
-    expected = restrict_listing(pin.active().files(), files)
+    expected = restrict_listing(listing, files)
     with Workspace(files) as work:
         if state.state in (State.PRISTINE, State.APPLIED):
             work.load(tree)

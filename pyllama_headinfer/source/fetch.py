@@ -372,6 +372,8 @@ def extract_pin_files(files: Sequence[str], destination: PathLike) -> Path:
     wanted = set(files)
     expected = {p: v for p, v in pin.active().files().items() if p in wanted}
     target = Path(destination)
+    if not expected:  # nothing of the pin's asked for: no archive to open (an archive that lacks files is deleted)
+        raise UsageError(f"none of {', '.join(sorted(wanted)[:3]) or 'no files'} is a file of llama.cpp {pin.active().short}")
 
     def extract_one(fetcher: _Fetcher, downloads: Path) -> Path:
         archive, subdir = fetcher.download(downloads)
