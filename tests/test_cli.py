@@ -70,6 +70,20 @@ def test_help_says_what_ctx_0_means(command, capsys):
     assert "--ctx" in out and "0 = the model's training context" in out
 
 
+@pytest.mark.parametrize("command", ["generate", "bench", "plan"])
+def test_every_layer_goes_to_the_gpu_by_default(command):
+    """As llama.cpp's tools: without --ngl every layer is offloaded when there is a GPU (-1 or 99,
+    both more than any model's layers); on a CPU-only build llama.cpp has no device to put them on."""
+    import argparse
+
+    from pyllama_headinfer.cli import bench, generate, plan
+
+    parser = argparse.ArgumentParser()
+    {"generate": generate, "bench": bench, "plan": plan}[command].add_arguments(parser)
+    ngl = parser.get_default("ngl")
+    assert ngl == -1 or ngl >= 99, (command, ngl)
+
+
 @pytest.mark.parametrize("exc, status", [
     (ValueError("x"), 2), (FileNotFoundError("x"), 2), (KeyboardInterrupt(), 130),
 ])

@@ -1,7 +1,7 @@
 """``python -m pyllama_headinfer generate``: generate text with HeadInfer.
 
     python -m pyllama_headinfer generate --model M.gguf --prompt "Once upon a time" -n 64 \\
-        [--frac 0.5 | --vram-budget 24GiB] [--ngl 99] [--ctx 4096] [--seed 42] [--temp 0.8]
+        [--frac 0.5 | --vram-budget 24GiB] [--ngl -1] [--ctx 4096] [--seed 42] [--temp 0.8]
 
 ``--ctx 0`` takes the model's training context (llama.cpp's rule for n_ctx 0).
 
@@ -44,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            help="HeadInfer: derive the fraction from a GPU memory budget, e.g. 24GiB (instead of "
                                 "--frac; see the plan command)")
     add_headinfer_mode_arguments(parser)
-    parser.add_argument("--ngl", "--n-gpu-layers", dest="ngl", type=int, default=0,
-                        help="layers to offload to the GPU (-1 = all; default 0)")
+    parser.add_argument("--ngl", "--n-gpu-layers", dest="ngl", type=int, default=-1,
+                        help="layers to offload to the GPU (-1 = all, llama.cpp's default: every layer on "
+                             "the GPU when there is one; 0 = CPU only)")
     parser.add_argument("--ctx", "-c", type=int, default=4096,
                         help=f"context size in tokens (default 4096; {CTX_ZERO_HELP})")
     parser.add_argument("--batch", type=int, default=ContextParams.n_batch,
