@@ -178,7 +178,7 @@ HEADINFER = {"headinfer_attn": "joined"}
 
 def add_attn_arguments(ap: argparse.ArgumentParser) -> None:
     """--attn and --attn-chunk (ContextParams.headinfer_attn / .headinfer_attn_chunk); also used by
-    decode_host_time.py."""
+    decode_host_time.py, decode_timeline.py, graph_splits.py and plan_check.py."""
     ap.add_argument("--attn", choices=tuple(HEADINFER_ATTN_TYPES), default="joined",
                     help="how split layers attend to their two halves (headinfer_attn; default joined)")
     ap.add_argument("--attn-chunk", type=int, default=0,
@@ -196,11 +196,6 @@ def filled_context(model: Model, depth: int, n_steps: int, args: argparse.Namesp
         ctx.decode([1 + i % (model.n_vocab - 1) for i in range(depth)], logits="none")
         ctx.synchronize()  # llama_decode returns once the fill's last ubatch is queued, not computed
         yield ctx
-
-
-def add_headinfer_arguments(ap: argparse.ArgumentParser) -> None:
-    """--attn and --attn-chunk (ContextParams.headinfer_attn / _attn_chunk); also used by graph_splits.py."""
-    add_attn_arguments(ap)
 
 
 def headinfer_params(args: argparse.Namespace) -> dict:
@@ -320,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rpc", type=int, default=0, metavar="N",
                     help="start N local RPC servers (a build with -DGGML_RPC=ON) and use their devices: "
                          "several offload devices on a machine without GPUs")
-    add_headinfer_arguments(ap)
+    add_attn_arguments(ap)
     ap.add_argument("--no-cuda-fusion", action="store_true",
                     help="set GGML_CUDA_DISABLE_FUSION=1: CUDA fuses ROPE->VIEW->SET_ROWS only where the whole K row "
                          "is stored, i.e. in the unsplit graph, and its fused result differs from the unfused one "

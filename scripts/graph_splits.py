@@ -60,7 +60,7 @@ def graph_splits(model: Model, frac: float, n_ctx: int, kv_type: str, n_streams:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gpu_check import add_headinfer_arguments, headinfer_params, rpc_servers  # the exactness check's
+    from gpu_check import add_attn_arguments, headinfer_params, rpc_servers  # the exactness check's
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "-m", required=True)
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--type", default="f16", help="KV type (K and V)")
     ap.add_argument("--ubatch", type=int, default=512, help="n_ubatch (the compute buffer grows with it)")
     ap.add_argument("--rpc", type=int, default=0, metavar="N", help="spread the layers over N local RPC servers' devices")
-    add_headinfer_arguments(ap)
+    add_attn_arguments(ap)
     ap.add_argument("--streams", type=int, default=1, metavar="N",
                     help="N sequences, one KV stream each (kv_unified = false, as llama-server's -np N)")
     args = ap.parse_args(argv)

@@ -87,7 +87,7 @@ def check_one(model: Model, model_log, device: str, n_ctx: int, frac: float, kv:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gpu_check import add_headinfer_arguments, headinfer_params, rpc_servers  # the exactness check's
+    from gpu_check import add_attn_arguments, headinfer_params, rpc_servers  # the exactness check's
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "-m", action="append", required=True, help="GGUF model (repeatable)")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ngl", type=int, default=99)
     ap.add_argument("--device", default="CUDA0", help="buffer name of the GPU in llama.cpp's log (default CUDA0)")
     ap.add_argument("--ubatch", type=int, default=512, help="n_ubatch (the compute buffer grows with it)")
-    add_headinfer_arguments(ap)  # --attn, --attn-chunk
+    add_attn_arguments(ap)  # --attn, --attn-chunk
     ap.add_argument("--rpc", action="store_true",
                     help="a local RPC server's device instead of a GPU (--device RPC0; a build with -DGGML_RPC=ON)")
     ap.add_argument("--json", type=Path, default=None)
