@@ -37,14 +37,13 @@ import subprocess
 import sys
 
 import numpy as np
-import openai
 import pytest
 
 from conftest import run_py
 from pyllama_headinfer.runtime.manifest import find_manifest
 from test_build import cpuinfo_flags
 from testing_models import CORPUS
-from testing_real_models import run_env
+from testing_real_models import answers_from_server, run_env
 
 N_LAYER, N_HEAD, N_HEAD_KV, HEAD_DIM, N_VOCAB = 30, 9, 3, 64, 49152
 FRACS = (1.0, 0.67, 0.34)
@@ -281,28 +280,19 @@ def test_generate_command_gives_the_same_text_at_every_fraction(smollm2):
 def test_serve_answers_the_same_at_every_fraction(smollm2, server_binary):
     """llama-server started the way `serve` starts it, at frac 1.0, 0.67 and 0.34: the same greedy completion (text
     and logprobs) and chat reply through the openai client; the split ones log every layer split."""
-    from pyllama_headinfer.cli import serve as serve_cli
-    from test_serve import free_port
+    def ask(client, pump):
+        r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=16, temperature=0, seed=1,
+                                      logprobs=3)
+        chat = client.chat.completions.create(model="smollm2", max_tokens=16, temperature=0, seed=1,
+                                              messages=[{"role": "user", "content": "What is the capital of France?"}])
+        # llama-server gives the logprobs of /v1/completions in the chat form: token ids, logprobs, top-3
+        logprobs = [(d["id"], d["logprob"], [(t["id"], t["logprob"]) for t in d["top_logprobs"]])
+                    for d in r.choices[0].logprobs.content]
+        return (r.choices[0].text, logprobs, chat.choices[0].message.content), list(pump.headinfer)
 
-    answers, logs = {}, {}
-    for frac in FRACS:
-        command = serve_cli.server_command(smollm2, frac=frac, vram_budget=None, margin="0", host="127.0.0.1",
-                                           port=free_port(), extra=["-c", "1024", "-np", "1", "-t", "2", "--no-warmup"],
-                                           server=server_binary)
-        proc, pump = serve_cli.start_server(command, echo=None, timeout=120, env=run_env())
-        try:
-            client = openai.OpenAI(base_url=command.url + "/v1", api_key="none", timeout=120, max_retries=0)
-            r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=16, temperature=0, seed=1,
-                                          logprobs=3)
-            chat = client.chat.completions.create(model="smollm2", max_tokens=16, temperature=0, seed=1,
-                                                  messages=[{"role": "user", "content": "What is the capital of France?"}])
-            # llama-server gives the logprobs of /v1/completions in the chat form: token ids, logprobs, top-3
-            logprobs = [(d["id"], d["logprob"], [(t["id"], t["logprob"]) for t in d["top_logprobs"]])
-                        for d in r.choices[0].logprobs.content]
-            answers[frac] = (r.choices[0].text, logprobs, chat.choices[0].message.content)
-            logs[frac] = list(pump.headinfer)
-        finally:
-            assert serve_cli.stop_server(proc) == 0
+    served = answers_from_server(smollm2, server_binary, FRACS, ask)
+    answers = {frac: answer for frac, (answer, _) in served.items()}
+    logs = {frac: log for frac, (_, log) in served.items()}
     print(f"\nserve: {answers[1.0][0]!r}; chat: {answers[1.0][2]!r}")
     assert "Paris" in answers[1.0][0] and len(answers[1.0][1]) == 16, answers[1.0]
     assert answers[0.67] == answers[1.0] and answers[0.34] == answers[1.0]

@@ -23,10 +23,9 @@ import json
 import subprocess
 import sys
 
-import openai
 import pytest
 
-from testing_real_models import run_env
+from testing_real_models import answers_from_server, run_env
 
 PROMPT = "The capital of France is the city of"
 
@@ -99,21 +98,10 @@ def test_gemma3_270m_generate_command_gives_the_same_text_at_any_fraction(gemma)
 def test_gemma3_270m_serve_answers_the_same_at_any_fraction(gemma, server_binary):
     """The patched llama-server (started the way `serve` starts it) on the real model: the same
     greedy completion through the openai client at frac 1.0 and 0.5."""
-    from pyllama_headinfer.cli import serve as serve_cli
-    from test_serve import free_port
+    def ask(client, _pump):
+        r = client.completions.create(model="gemma", prompt=PROMPT, max_tokens=12, temperature=0, seed=1)
+        return r.choices[0].text
 
-    answers = {}
-    for frac in (1.0, 0.5):
-        port = free_port()
-        command = serve_cli.server_command(gemma, frac=frac, vram_budget=None, margin="0", host="127.0.0.1", port=port,
-                                           extra=["-c", "1024", "-np", "1", "-t", "2", "--no-warmup"],
-                                           server=server_binary)
-        proc, pump = serve_cli.start_server(command, echo=None, timeout=120, env=run_env())
-        try:
-            client = openai.OpenAI(base_url=command.url + "/v1", api_key="none", timeout=120, max_retries=0)
-            r = client.completions.create(model="gemma", prompt=PROMPT, max_tokens=12, temperature=0, seed=1)
-            answers[frac] = r.choices[0].text
-        finally:
-            assert serve_cli.stop_server(proc) == 0
+    answers = answers_from_server(gemma, server_binary, (1.0, 0.5), ask)
     assert "Paris" in answers[1.0], answers
     assert answers[0.5] == answers[1.0]

@@ -21,7 +21,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Tuple
+from typing import Callable, Dict, Sequence, Tuple
 
 from pyllama_headinfer import paths
 from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, find_manifest
@@ -111,3 +111,26 @@ def run_env() -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), **{FORCE_SPLIT: "1"})
     env.setdefault(BUILD_DIR_ENV, str(find_manifest().build_dir))
     return env
+
+
+def answers_from_server(model: Path, server_binary: Path, fracs: Sequence[float], ask: Callable) -> Dict[float, object]:
+    """For each fraction: llama-server started as ``serve`` starts it (``-c 1024 -np 1 -t 2``, the split forced on
+    the CPU), ``ask(client, pump)``'s answer (an ``openai`` client on the server, the server's log pump), and the
+    server stopped, exit 0, before the next."""
+    import openai
+
+    from pyllama_headinfer.cli import serve as serve_cli
+    from test_serve import free_port
+
+    answers = {}
+    for frac in fracs:
+        command = serve_cli.server_command(model, frac=frac, vram_budget=None, margin="0", host="127.0.0.1",
+                                           port=free_port(), extra=["-c", "1024", "-np", "1", "-t", "2", "--no-warmup"],
+                                           server=server_binary)
+        proc, pump = serve_cli.start_server(command, echo=None, timeout=120, env=run_env())
+        try:
+            client = openai.OpenAI(base_url=command.url + "/v1", api_key="none", timeout=120, max_retries=0)
+            answers[frac] = ask(client, pump)
+        finally:
+            assert serve_cli.stop_server(proc) == 0
+    return answers
