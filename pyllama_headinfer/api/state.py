@@ -75,6 +75,7 @@ _FOOTER = struct.Struct("<IIIIII8s")
 _VERSION = 1
 _MODES = ("last", "all", "batch")
 SESSION_MAGIC = 0x6767736E  # llama.h's LLAMA_SESSION_MAGIC ('ggsn'), the first word of a state file
+_SESSION_HEADER = struct.Struct("<III")  # a state file's start: SESSION_MAGIC, its version, its token count
 
 # what logits() says after a load that brought none
 NO_LOGITS_IN_STATE = ("the loaded state holds none (it was saved when the context had none, e.g. after "
@@ -285,8 +286,7 @@ class StateIO:
         block, so this reads the file's header (magic, version, tokens) itself and gives llama.cpp
         the state part (mapped, not copied). The header's version is not checked here -- a file of
         another llama.cpp is refused by the pin the block names instead."""
-        header = struct.Struct("<III")
-        if size < length + header.size:
+        if size < length + _SESSION_HEADER.size:
             self._refuse_load(f"{what}: the logits block claims {length} of its {size} bytes")
         f.seek(size - length)
         try:
@@ -297,8 +297,8 @@ class StateIO:
             self._refuse_load(f"{what}: saved by llama.cpp {ident}, this is {self._llama_ident()} (a state "
                               f"file is read by the llama.cpp that wrote it)")
         f.seek(0)
-        magic, _version, n_tokens = header.unpack(f.read(header.size))
-        start, end = header.size + 4 * n_tokens, size - length
+        magic, _version, n_tokens = _SESSION_HEADER.unpack(f.read(_SESSION_HEADER.size))
+        start, end = _SESSION_HEADER.size + 4 * n_tokens, size - length
         if magic != SESSION_MAGIC:
             self._refuse_load(f"{what}: not a state file (magic {magic:08x})")
         if n_tokens > self.n_ctx or start >= end:
