@@ -262,8 +262,9 @@ def _die_with_parent() -> None:
 
 
 @contextlib.contextmanager
-def rpc_servers(n: int, timeout: float = 30.0):
-    """n local RPC servers (this build's CPU device each, own processes): yields their endpoints."""
+def rpc_servers(n: int, timeout: float = 30.0, env: dict | None = None):
+    """n local RPC servers (this build's CPU device each, own processes; ``env``: their environment, default this
+    process's): yields their endpoints."""
     procs, endpoints = [], []
     root = Path(__file__).resolve().parents[1]
     # all ports chosen while every probe socket is still bound, so no two servers get the same one
@@ -277,7 +278,7 @@ def rpc_servers(n: int, timeout: float = 30.0):
             code = f"import sys; sys.path.insert(0, {str(root)!r}); from pyllama_headinfer.llama import rpc_serve; " \
                    f"rpc_serve({endpoint!r})"
             procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE, preexec_fn=_die_with_parent))
+                                          stderr=subprocess.PIPE, preexec_fn=_die_with_parent, env=env))
         for endpoint, proc in zip(endpoints, procs):
             host, port = endpoint.rsplit(":", 1)
             deadline = time.monotonic() + timeout

@@ -548,7 +548,7 @@ def test_a_plain_build_keeps_the_tools_of_the_directory(fake_toolchain, monkeypa
     assert first.configured
     out = io.StringIO()
     plain = B.build(build_dir=d, bindings=False, out=out)
-    assert not plain.configured and "Keeping llama-cli, llama-server and llama-bench" in out.getvalue()
+    assert not plain.configured and "Keeping llama-cli, llama-server, llama-bench, llama-fit-params" in out.getvalue()
     assert read_manifest(d).data["cmake_options"]["LLAMA_BUILD_TOOLS"] == "ON"
     assert (d / "ninja-argv.log").read_text().splitlines()[-1].endswith("llama-server")  # and they are rebuilt
     again = B.build(build_dir=d, bindings=False, out=io.StringIO(), tools=True)

@@ -7,11 +7,9 @@ device and the rest in host memory. ``scripts/gpu_check.py --rpc 2`` then
 checks every logits vector against frac 1.0 on the same two-device layout, and
 each device's KV bytes against its own unsplit share.
 
-This needs a build with -DGGML_RPC=ON, made once per session in the cache
-(``<cache>/test-builds/cpu-rpc``, ``cpu-<pin>-rpc`` for another pin; never in the
-checkout; a second build beside the main one, ~2 min on 2 cores the first time,
-incremental afterwards; the
-two cannot share a process, so the check runs in subprocesses). On two real
+This needs a build with -DGGML_RPC=ON, made once per session in the cache (the
+``rpc_build`` fixture of conftest.py; the two builds cannot share a process, so
+the checks run in subprocesses). On two real
 GPUs the same script runs with ``--devices CUDA0,CUDA1`` (docs/GPU.md).
 """
 
@@ -26,27 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_headinfer import paths
 from pyllama_headinfer.params import ContextParams
 from pyllama_headinfer.vram.plan import plan_kv
 from testing_models import FORCE_SPLIT, SPECS, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def rpc_build(built) -> Path:
-    """The patched llama.cpp with the RPC backend, in the cache (built if missing or stale)."""
-    from pyllama_headinfer.build.plan import config_key
-
-    # one directory per pin (cpu-rpc, cpu-b11549-rpc: build's own name for the pin's CPU build): switching pins
-    # rebuilds nothing
-    directory = paths.cache_dir() / "test-builds" / f"{config_key()}-rpc"
-    run = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "build", "--build-dir", str(directory),
-                          "-DGGML_RPC=ON"], cwd=ROOT, capture_output=True, text=True)
-    assert run.returncode == 0, f"the RPC build failed:\n{run.stderr[-3000:]}"
-    assert paths.project_root() not in directory.parents  # the checkout stays clean
-    return directory
 
 
 def rpc_env(rpc_build: Path) -> dict:

@@ -50,7 +50,7 @@ from typing import IO, Callable, Mapping, Optional, Sequence
 from pyllama_headinfer.build import cpu_kernels, toolchain
 from pyllama_headinfer import pin
 from pyllama_headinfer.build.lock import build_lock, removal_is_one_error
-from pyllama_headinfer.build.plan import BuildPlan, parse_define, plan_build
+from pyllama_headinfer.build.plan import TOOL_TARGETS, BuildPlan, parse_define, plan_build
 from pyllama_headinfer.build.steps import (STATE_NAME, bindings_fingerprint, build_bindings, configure_if_needed,
                                            configured_tools, configured_user_defines, configured_with_tools,
                                            interrupted_error, library_targets,
@@ -161,10 +161,10 @@ def plan_for_directory(*, cuda: Optional[bool] = None, cuda_arch: Optional[str] 
     if keep_tools:
         # a plain `build` keeps what the directory was asked to build before (dropping the tools
         # would make the next `build --tools` recompile them all)
-        say("Keeping llama-cli, llama-server and llama-bench: this directory was built with --tools "
+        say(f"Keeping {', '.join(TOOL_TARGETS)}: this directory was built with --tools "
             "(--no-tools removes them).")
     elif tools is False and configured_with_tools(d):
-        say("Removing llama-cli, llama-server and llama-bench from this directory's configuration (--no-tools).")
+        say(f"Removing {', '.join(TOOL_TARGETS)} from this directory's configuration (--no-tools).")
     if kept or keep_tools:
         plan = plan_build(cuda=cuda, cuda_arch=cuda_arch, cmake_args=[*kept, *cmake_args], sanitize=sanitize,
                           build_type=build_type, tools=bool(tools) or keep_tools, portable=portable, build_dir=d,

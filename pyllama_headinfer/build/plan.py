@@ -25,7 +25,7 @@ from pyllama_headinfer.errors import BuildError, UsageError
 
 SANITIZERS = {"address": "asan", "thread": "tsan"}
 BUILD_TYPES = ("Release", "RelWithDebInfo", "Debug", "MinSizeRel")
-TOOL_TARGETS = ("llama-cli", "llama-server", "llama-bench")
+TOOL_TARGETS = ("llama-cli", "llama-server", "llama-bench", "llama-fit-params")
 
 # `build --portable`: upstream's release recipe. Every CPU generation's kernels as a loadable
 # module (libggml-cpu-<variant>.so), the best one picked at run time; GGML_NATIVE must be off

@@ -11,7 +11,7 @@ import sys
 
 from pyllama_headinfer.build import toolchain
 from pyllama_headinfer.build.build import build, plan_for_directory
-from pyllama_headinfer.build.plan import BUILD_TYPES, SANITIZERS
+from pyllama_headinfer.build.plan import BUILD_TYPES, SANITIZERS, TOOL_TARGETS
 from pyllama_headinfer.build.llama_cpp_python import install_llama_cpp_python
 from pyllama_headinfer.errors import EXIT_OK, UsageError
 
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_argument("--build-type", choices=BUILD_TYPES,
                      help="CMAKE_BUILD_TYPE (default Release; RelWithDebInfo with --sanitize)")
     cfg.add_argument("--tools", action=argparse.BooleanOptionalAction, default=None,
-                     help="also build llama-cli, llama-server and llama-bench (into <build dir>/bin); "
+                     help=f"also build {', '.join(TOOL_TARGETS)} (into <build dir>/bin); "
                           "without either flag, a directory keeps what it was built with")
     cfg.add_argument("--reset-options", action="store_true",
                      help="forget the -D options (from -D, --cmake-arg, $CMAKE_ARGS) this directory was configured "

@@ -1,0 +1,177 @@
+"""llama.cpp's own memory fitting (``--fit``, on by default) choosing the split, on a machine without a GPU.
+
+When the requested context does not fit with every layer on the device, fit (patch "common : fit - keep every layer
+on the device with part of the KV heads in host memory") weighs keeping every layer there with a fraction of each
+layer's KV heads against moving layers to system memory, and takes the one its decode-speed model predicts faster.
+
+The device is a local RPC server serving this machine's CPU (``LLAMA_HEADINFER_FORCE_SPLIT=1`` splits its layers,
+which RPC devices otherwise do not); ``--fit-target`` leaves it ``room`` MiB; the model is an 8-layer GQA model (4 KV
+heads) at a 64K context, whose 512 MiB KV cache does not fit. The rooms are not hard-coded: they are placed halfway
+between the device totals llama-fit-params --fit-print reports for the configurations that must and must not fit,
+so a few MiB of drift in the machine's free memory between two calls changes no decision. ``--fit-bandwidth`` fixes
+the speed model's bandwidths, so the decision does not depend on this machine's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testing_models import FORCE_SPLIT, SPECS, with_layers, write_model
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+N_CTX = 65536
+MiB = 1024 * 1024
+# GB/s of device memory, host-to-device copies and system memory
+FAVOURS_SPLIT = "100,50,10"
+SLOW_LINK = "100,1,20"
+
+
+@pytest.fixture(scope="module")
+def fit_model(tmp_path_factory) -> Path:
+    spec = dataclasses.replace(with_layers(SPECS["llama-gqa"], 8), n_ctx_train=N_CTX)
+    return write_model(spec, tmp_path_factory.mktemp("fit") / f"{spec.name}.gguf")
+
+
+@pytest.fixture(scope="module")
+def rpc_endpoint(rpc_build):
+    from gpu_check import rpc_servers
+
+    with rpc_servers(1, env=dict(os.environ, PYLLAMA_HEADINFER_BUILD_DIR=str(rpc_build))) as endpoints:
+        yield endpoints[0]
+
+
+def fit_params(rpc_build: Path, endpoint: str, model: Path, *args: str) -> subprocess.CompletedProcess:
+    """llama-fit-params on the RPC device with the split forced on (llama.cpp's default log level)."""
+    env = dict(os.environ, **{FORCE_SPLIT: "1"})
+    argv = [str(rpc_build / "bin" / "llama-fit-params"), "-m", str(model), "--rpc", endpoint, "-c", str(N_CTX),
+            "-fa", "on", *args]
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+
+
+def device_total_mib(rpc_build: Path, endpoint: str, model: Path, *args: str) -> int:
+    """The RPC device's model + context + compute MiB for an explicit configuration (llama-fit-params --fit-print)."""
+    run = fit_params(rpc_build, endpoint, model, "--fit-print", "on", "-ngl", "99", *args)
+    assert run.returncode == 0, run.stderr[-2000:]
+    row = next(line.split() for line in run.stdout.splitlines() if line.startswith("RPC0"))
+    return sum(int(x) for x in row[1:4])
+
+
+def free_mib() -> int:
+    """The free memory the RPC device reports: its server serves this machine's CPU device."""
+    from pyllama_headinfer.runtime import bindings
+
+    ffi, lib = bindings.load()
+    free, total = ffi.new("size_t *"), ffi.new("size_t *")
+    lib.ggml_backend_dev_memory(lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU), free, total)
+    return free[0] // MiB
+
+
+def fit_with_room(rpc_build, endpoint, model, room_mib: int, *args: str) -> subprocess.CompletedProcess:
+    return fit_params(rpc_build, endpoint, model, "-fitt", str(free_mib() - room_mib), *args)
+
+
+def fitted_args(run: subprocess.CompletedProcess) -> str:
+    assert run.returncode == 0, run.stdout[-1000:] + run.stderr[-3000:]
+    return run.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def totals(rpc_build, rpc_endpoint, fit_model, llama) -> dict:
+    """Device MiB of the configurations the decisions are between (1 and 2 of 4 KV heads on the device)."""
+    t = {name: device_total_mib(rpc_build, rpc_endpoint, fit_model, *args) for name, args in {
+        "whole": (), "joined 1": ("-hgf", "0.25"), "joined 2": ("-hgf", "0.5"),
+        "chunked 1": ("-hgf", "0.25", "--headinfer-attn", "chunked")}.items()}
+    # the model's geometry gives room between them; without it the rooms below would decide nothing
+    assert t["chunked 1"] + 64 < t["joined 1"] and t["joined 1"] + 64 < t["joined 2"] < t["whole"], t
+    return t
+
+
+def test_fit_keeps_every_layer_on_the_device_when_the_split_is_predicted_faster(rpc_build, rpc_endpoint, fit_model,
+                                                                                totals):
+    room = (totals["joined 1"] + totals["joined 2"]) // 2
+    run = fit_with_room(rpc_build, rpc_endpoint, fit_model, room, "--fit-bandwidth", FAVOURS_SPLIT)
+    args = fitted_args(run)
+    assert re.fullmatch(rf"-c {N_CTX} -ngl -1 -hgf [0-9.]+", args), args
+    frac = float(args.split()[-1])
+    assert round(frac * 4) == 1, args  # one of 4 KV heads: the most that fits
+    assert re.search(r"chose every layer on the device, 128 of 512 MiB of KV in device memory .*joined attention", run.stderr)
+    assert re.search(r"rejected \d+ of 9 layers on the device", run.stderr)
+
+
+def test_fit_moves_layers_when_the_link_is_predicted_slower(rpc_build, rpc_endpoint, fit_model, totals):
+    room = (totals["joined 1"] + totals["joined 2"]) // 2
+    args = fitted_args(fit_with_room(rpc_build, rpc_endpoint, fit_model, room, "--fit-bandwidth", SLOW_LINK))
+    m = re.fullmatch(rf"-c {N_CTX} -ngl (\d+)", args)
+    assert m and 0 < int(m.group(1)) < 9, args
+
+
+def test_fit_takes_chunked_attention_when_only_its_transient_fits(rpc_build, rpc_endpoint, fit_model, totals):
+    room = (totals["chunked 1"] + totals["joined 1"]) // 2
+    args = fitted_args(fit_with_room(rpc_build, rpc_endpoint, fit_model, room, "--fit-bandwidth", FAVOURS_SPLIT))
+    assert re.fullmatch(rf"-c {N_CTX} -ngl -1 -hgf [0-9.]+ --headinfer-attn chunked", args), args
+
+
+def test_an_explicit_fraction_is_kept_and_layers_fit_around_it(rpc_build, rpc_endpoint, fit_model, totals):
+    room = (totals["joined 1"] + totals["joined 2"]) // 2
+    args = fitted_args(fit_with_room(rpc_build, rpc_endpoint, fit_model, room, "--fit-bandwidth", FAVOURS_SPLIT,
+                                     "-hgf", "0.5"))
+    m = re.fullmatch(rf"-c {N_CTX} -ngl (\d+) -hgf 0.5", args)
+    assert m and int(m.group(1)) < 9, args
+
+
+def test_explicit_gpu_layers_stop_fit_as_before(rpc_build, rpc_endpoint, fit_model, totals):
+    room = (totals["joined 1"] + totals["joined 2"]) // 2
+    run = fit_with_room(rpc_build, rpc_endpoint, fit_model, room, "--fit-bandwidth", FAVOURS_SPLIT, "-ngl", "99")
+    assert run.returncode == 1
+    assert "n_gpu_layers already set by user to 99" in run.stderr
+    assert "-hgf" not in run.stdout
+
+
+def test_a_bad_bandwidth_is_a_usage_error(rpc_build, rpc_endpoint, fit_model):
+    for value in ("100,50", "100,0,10", "a,b,c"):
+        run = fit_params(rpc_build, rpc_endpoint, fit_model, "--fit-bandwidth", value)
+        assert run.returncode != 0 and "--fit-bandwidth" in run.stderr, (value, run.stderr[-500:])
+
+
+ALLOCATE_CHILD = r"""
+import json, sys
+from pyllama_headinfer.llama import Context, Model, rpc_add_server
+endpoint, path, n_ctx, frac, attn = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+with Model(path, n_gpu_layers=-1, devices=rpc_add_server(endpoint)) as model, \
+        Context(model, n_ctx=n_ctx, n_batch=64, n_ubatch=64, flash_attn=True, headinfer_gpu_heads_frac=frac,
+                headinfer_attn=attn) as ctx:
+    ctx.decode(list(range(10, 60)))
+    print(json.dumps(ctx.kv_residency()["buffers"]))
+"""
+
+
+def test_the_fitted_context_holds_on_the_device_the_kv_fit_projected(rpc_build, rpc_endpoint, fit_model, totals):
+    """A context created with fit's answer allocates (and decodes), and its KV bytes on the RPC device are those fit
+    logged as projected: the memory fit measured without allocating is what llama.cpp then allocates."""
+    import json
+
+    room = (totals["chunked 1"] + totals["joined 1"]) // 2
+    run = fit_with_room(rpc_build, rpc_endpoint, fit_model, room, "--fit-bandwidth", FAVOURS_SPLIT)
+    args = fitted_args(run).split()
+    frac, attn = float(args[args.index("-hgf") + 1]), args[args.index("--headinfer-attn") + 1]
+    projected = re.search(r"chose every layer on the device, (\d+) of (\d+) MiB of KV in device memory", run.stderr)
+    assert projected, run.stderr[-2000:]
+
+    env = dict(os.environ, PYLLAMA_HEADINFER_BUILD_DIR=str(rpc_build), PYTHONPATH=str(ROOT), **{FORCE_SPLIT: "1"})
+    child = subprocess.run([sys.executable, "-c", ALLOCATE_CHILD, rpc_endpoint, str(fit_model), str(N_CTX), str(frac),
+                            attn], capture_output=True, text=True, env=env, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    buffers = json.loads(child.stdout.strip().splitlines()[-1])
+    on_device = sum(b["k"] + b["v"] for name, b in buffers.items() if name.startswith("RPC") and not b["headinfer_host"])
+    in_host = sum(b["k"] + b["v"] for b in buffers.values() if b["headinfer_host"])
+    assert on_device // MiB == int(projected.group(1)), buffers
+    assert (on_device + in_host) // MiB == int(projected.group(2)), buffers
