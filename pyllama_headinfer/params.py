@@ -41,6 +41,10 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
+# headinfer_vram_budget="auto": the free device memory (resolved by Context once the model is loaded)
+AUTO_VRAM_BUDGET = "auto"
+
+
 def parse_size(value) -> int:
     """Bytes from an int/float or a string like ``"24GiB"``, ``"24 GB"``,
     ``"512M"``, ``"1e9"`` is not accepted. KiB/MiB/GiB/TiB and the bare
@@ -180,7 +184,9 @@ class ContextParams:
     HeadInfer: at most one of ``headinfer_gpu_heads_frac`` (the fraction of
     each layer's KV heads kept in the layer's own -- device -- buffer, in
     [0, 1]) and ``headinfer_vram_budget`` (bytes or e.g. ``"24GiB"``: the
-    fraction is derived from the budget when the context is created). Neither
+    fraction is derived from the budget when the context is created; ``"auto"``:
+    the free memory of the model's devices, less the 1 GiB per device that
+    llama.cpp's ``--fit`` leaves free, plus the offloaded weights). Neither
     given: 1.0, HeadInfer off. Both given is an error, whatever the values.
     The host heads are copied to the device one layer ahead of its attention
     wherever the device can copy while it computes (CUDA; RPC).
@@ -217,7 +223,7 @@ class ContextParams:
                              f"headinfer_vram_budget ({self.headinfer_vram_budget!r}), not both")
         if self.headinfer_gpu_heads_frac is not None:
             set_(self, "headinfer_gpu_heads_frac", check_headinfer_frac(self.headinfer_gpu_heads_frac))
-        if self.headinfer_vram_budget is not None:
+        if self.headinfer_vram_budget is not None and self.headinfer_vram_budget != AUTO_VRAM_BUDGET:
             parse_size(self.headinfer_vram_budget)  # checked now, kept as given (for messages)
         set_(self, "n_ctx", check_count("n_ctx", self.n_ctx, 0))
         set_(self, "n_batch", check_count("n_batch", self.n_batch, 1))
@@ -254,6 +260,9 @@ class ContextParams:
 
     @property
     def vram_budget_bytes(self) -> Optional[int]:
+        if self.headinfer_vram_budget == AUTO_VRAM_BUDGET:
+            raise UsageError("headinfer_vram_budget='auto' is the device's free memory, known once a model is loaded: "
+                             "Context resolves it (api.context.resolve_vram_budget); plan with a size")
         return None if self.headinfer_vram_budget is None else parse_size(self.headinfer_vram_budget)
 
     def replace(self, **changes) -> "ContextParams":

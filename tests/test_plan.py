@@ -482,6 +482,52 @@ def test_context_vram_budget_errors(residency_llama, opened, force_split):
         residency_llama.Context(opened["llama-gqa"], n_ctx=512, headinfer_vram_budget="a lot")
 
 
+def test_context_vram_budget_auto_is_the_free_device_memory(residency_llama, opened, all_models, force_split,
+                                                            monkeypatch, api_log):
+    """"auto": the free memory of the model's devices (here the CPU, FORCE_SPLIT's stand-in for a GPU) less llama.cpp's
+    1 GiB --fit margin, plus the weights already there: a device that leaves the g = 1 total picks what that
+    budget picks."""
+    from pyllama_headinfer.api import context as context_mod, devices
+    from pyllama_headinfer.vram.memory import weights
+    from pyllama_headinfer.vram.model import read_model_info
+
+    budget = _budget_for_g1(all_models["llama-gqa"], 1024, n_batch=64, n_ubatch=64)
+    on_device = weights(read_model_info(all_models["llama-gqa"]), -1).device_alloc
+    asked = []
+
+    def free(names):
+        asked.append(list(names))
+        return budget - on_device + context_mod.AUTO_VRAM_BUDGET_MARGIN
+
+    monkeypatch.setattr(devices, "device_free_bytes", free)
+    with residency_llama.Context(opened["llama-gqa"], n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=1,
+                                 headinfer_vram_budget="auto") as ctx:
+        assert ctx.headinfer_gpu_heads_frac == 0.25 and ctx.headinfer_plan.chosen.g == 1
+        assert ctx.params.headinfer_vram_budget == budget
+    assert asked == [["CPU"]]  # a CPU build: no GPU, the CPU stands for it
+    assert any("'auto'" in m and "margin" in m for m in api_log), api_log
+
+    monkeypatch.setattr(devices, "device_free_bytes", lambda names: 10 << 30)  # plenty: nothing to split
+    with residency_llama.Context(opened["llama-gqa"], n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=1,
+                                 headinfer_vram_budget="auto") as ctx:
+        assert ctx.headinfer_gpu_heads_frac == 1.0
+
+
+def test_vram_budget_auto_is_not_a_size_for_the_planner():
+    params = ContextParams(n_ctx=512, headinfer_vram_budget="auto")
+    with pytest.raises(ValueError, match="known once a model is loaded"):
+        params.vram_budget_bytes
+
+
+def test_device_free_bytes_of_an_unknown_device_is_an_error(llama):
+    from pyllama_headinfer.api.devices import device_free_bytes
+    from pyllama_headinfer.errors import HeadInferError
+
+    with pytest.raises(HeadInferError, match="unknown device"):
+        device_free_bytes(["NOPE0"])
+    assert device_free_bytes(["CPU"]) > 0
+
+
 def test_context_vram_budget_without_gpu_or_force(residency_llama, opened, monkeypatch, api_log):
     lib = opened["qwen2"]._lib
     if lib.llama_supports_gpu_offload():

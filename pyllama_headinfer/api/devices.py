@@ -55,6 +55,21 @@ def list_devices() -> list[DeviceInfo]:
             for name, dev in _registry().items()]
 
 
+def device_free_bytes(names: Sequence[str]) -> int:
+    """The free memory of the named devices together, in bytes, as ggml reports it."""
+    ffi, lib = bindings.load()
+    by_name = _registry()
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise HeadInferError(f"unknown device(s) {missing}; known: {sorted(by_name)}")
+    free, total = ffi.new("size_t *"), ffi.new("size_t *")
+    n = 0
+    for name in names:
+        lib.ggml_backend_dev_memory(by_name[name], free, total)
+        n += int(free[0])
+    return n
+
+
 def device_handles(names: Sequence[str]):
     """A NULL-terminated ``ggml_backend_dev_t[]`` for the named devices (keep it alive while in use)."""
     ffi, lib = bindings.load()

@@ -55,6 +55,7 @@ class Model(Handle):
             check_tensor_types(self.gguf)
         self.path = path
         self.n_gpu_layers = int(n_gpu_layers)  # where the layers are: HeadInfer's VRAM budget plan needs it
+        self.devices = list(devices) if devices is not None else None  # as given (None: every GPU, llama.cpp's default)
         ffi, lib = self._ffi, self._lib = bindings.load()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)

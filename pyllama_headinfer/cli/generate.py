@@ -19,7 +19,7 @@ import logging
 import sys
 import time
 
-from pyllama_headinfer.api.context import Context
+from pyllama_headinfer.api.context import Context, resolve_vram_budget
 from pyllama_headinfer.api.model import Model
 from pyllama_headinfer.api.residency import format_kv_residency, split_summary
 from pyllama_headinfer.api.sampler import Sampler
@@ -41,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            help="HeadInfer: fraction of each layer's KV heads kept on the device, in [0, 1] "
                                 "(default 1.0 = off)")
     headinfer.add_argument("--vram-budget", default=None,
-                           help="HeadInfer: derive the fraction from a GPU memory budget, e.g. 24GiB (instead of "
-                                "--frac; see the plan command)")
+                           help="HeadInfer: derive the fraction from a GPU memory budget, e.g. 24GiB, or 'auto' "
+                                "(the GPU's free memory less llama.cpp's 1 GiB --fit margin; instead of --frac; "
+                                "see the plan command)")
     add_headinfer_mode_arguments(parser)
     parser.add_argument("--ngl", "--n-gpu-layers", dest="ngl", type=int, default=-1,
                         help="layers to offload to the GPU (-1 = all, llama.cpp's default: every layer on "
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with Sampler.from_params(args.temp, args.top_k, args.top_p, args.min_p, args.seed) as sampler, \
             Model(args.model, n_gpu_layers=args.ngl) as model:
+        params = resolve_vram_budget(model, params)  # --vram-budget auto: the free device memory, now known
         if choose_kv_type:
             kv = kv_type_for_budget(model, params, args)
             params = params.replace(type_k=kv, type_v=kv)
