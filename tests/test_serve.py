@@ -379,3 +379,15 @@ def test_a_killed_serve_takes_its_server_along(tmp_path):
             wrapper.wait()
         if pid is not None and _running(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_serve_vram_budget_auto_leaves_the_fraction_to_llama_servers_fit(gguf_models, tmp_path):
+    """--vram-budget auto: no -hgf on the command line (llama-server's --fit, on by default, chooses it for the GPU's
+    free memory) and a note that says so; a size still plans the fraction here."""
+    command = serve_cli.server_command(gguf_models["llama-gqa"], frac=None, vram_budget="auto", margin="0",
+                                       host="127.0.0.1", port=8080, extra=[], server=tmp_path / "llama-server")
+    assert "-hgf" not in command.argv and "--fit" not in command.argv
+    assert any("--vram-budget auto" in note and "--fit" in note for note in command.notes), command.notes
+    sized = serve_cli.server_command(gguf_models["llama-gqa"], frac=None, vram_budget="1GiB", margin="0",
+                                     host="127.0.0.1", port=8080, extra=["-c", "512"], server=tmp_path / "llama-server")
+    assert "-hgf" in sized.argv

@@ -49,7 +49,8 @@ from typing import List, Optional, Sequence, Tuple
 
 from pyllama_headinfer.errors import PlanError, ServeError, UsageError
 from pyllama_headinfer.cli.options import THREADS_DEFAULT_HELP
-from pyllama_headinfer.params import ContextParams, check_headinfer_frac, default_n_threads, format_bytes
+from pyllama_headinfer.params import (AUTO_VRAM_BUDGET, ContextParams, check_headinfer_frac, default_n_threads,
+                                      format_bytes)
 from pyllama_headinfer.runtime.manifest import BUILD_DIR_ENV, Manifest, announce, find_manifest
 from pyllama_headinfer.vram.model import read_model_info
 from pyllama_headinfer.vram.speed import rank_options
@@ -82,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="fraction of each layer's KV heads kept on the GPU (default 1.0: no split)")
     how.add_argument("--vram-budget", default=None,
                      help="GPU memory budget, e.g. 24GiB: the planner chooses the fraction for the server's "
-                          "context size, slots and cache types")
+                          "context size, slots and cache types; 'auto': llama-server's own --fit chooses it for "
+                          "the GPU's free memory")
     parser.add_argument("--allow-quantized-kv", action="store_true",
                         help="with --vram-budget: also consider q8_0/q4_0 caches (faster, not exact); default: "
                              "the fastest exact option")
@@ -179,6 +181,12 @@ def server_command(model, *, frac: Optional[float], vram_budget, margin, host: s
         raise UsageError(f"give {', '.join(sorted(set(owned)))} as serve's own options, not after --")
     notes = []
     extra = list(extra)
+    fit_decides = vram_budget == AUTO_VRAM_BUDGET
+    if fit_decides:  # llama-server fits itself to the GPU's free memory at start (--fit, on by default)
+        notes.append("--vram-budget auto: llama-server's --fit chooses the fraction for the GPU's free memory when the "
+                     "context does not fit whole, where it predicts that faster than layers on the CPU; its log says "
+                     "what it chose (docs/UPSTREAM.md, PR 8)")
+        vram_budget = None
     if vram_budget is not None:
         frac, types, note = _frac_for_server(model, vram_budget, margin, extra, allow_quantized_kv)
         notes.append(note)
@@ -199,8 +207,8 @@ def server_command(model, *, frac: Optional[float], vram_budget, margin, host: s
         server, backend = find_server(manifest), manifest.data.get("backend")
     given = any(w.split("=", 1)[0] in _THREADS for w in extra) or "LLAMA_ARG_THREADS" in os.environ
     threads = [] if given else ["-t", str(default_n_threads())]
-    argv = [str(server), "-m", str(model), "--host", host, "--port", str(port), "-fa", "on",
-            "-hgf", f"{frac:.9g}", *threads, *extra]
+    hgf = [] if fit_decides else ["-hgf", f"{frac:.9g}"]
+    argv = [str(server), "-m", str(model), "--host", host, "--port", str(port), "-fa", "on", *hgf, *threads, *extra]
     shown = f"[{host}]" if ":" in host else host
     return ServerCommand(argv=argv, url=f"http://{shown}:{port}", frac=frac, notes=notes, backend=backend)
 
