@@ -49,9 +49,10 @@ def rpc_endpoint(rpc_build):
         yield endpoints[0]
 
 
-def fit_params(rpc_build: Path, endpoint: str, model: Path, *args: str) -> subprocess.CompletedProcess:
-    """llama-fit-params on the RPC device with the split forced on (llama.cpp's default log level)."""
-    env = dict(os.environ, **{FORCE_SPLIT: "1"})
+def fit_params(rpc_build: Path, endpoint: str, model: Path, *args: str, split: bool = True) -> subprocess.CompletedProcess:
+    """llama-fit-params on the RPC device, with the split forced on unless ``split`` is False (llama.cpp's default log
+    level)."""
+    env = dict(os.environ, **{FORCE_SPLIT: "1"}) if split else {k: v for k, v in os.environ.items() if k != FORCE_SPLIT}
     argv = [str(rpc_build / "bin" / "llama-fit-params"), "-m", str(model), "--rpc", endpoint, "-c", str(N_CTX),
             "-fa", "on", *args]
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
@@ -75,8 +76,8 @@ def free_mib() -> int:
     return free[0] // MiB
 
 
-def fit_with_room(rpc_build, endpoint, model, room_mib: int, *args: str) -> subprocess.CompletedProcess:
-    return fit_params(rpc_build, endpoint, model, "-fitt", str(free_mib() - room_mib), *args)
+def fit_with_room(rpc_build, endpoint, model, room_mib: int, *args: str, split: bool = True) -> subprocess.CompletedProcess:
+    return fit_params(rpc_build, endpoint, model, "-fitt", str(free_mib() - room_mib), *args, split=split)
 
 
 def fitted_args(run: subprocess.CompletedProcess) -> str:
@@ -134,6 +135,18 @@ def test_explicit_gpu_layers_stop_fit_as_before(rpc_build, rpc_endpoint, fit_mod
     assert run.returncode == 1
     assert "n_gpu_layers already set by user to 99" in run.stderr
     assert "-hgf" not in run.stdout
+
+
+def test_where_no_layer_splits_fit_answers_as_before(rpc_build, rpc_endpoint, fit_model, totals):
+    """RPC devices do not split without the test hook (no pinned host buffer type): fit measures the split once, finds
+    no host KV, and moves layers exactly as with the split forced on and a slow link -- upstream's answer."""
+    room = (totals["joined 1"] + totals["joined 2"]) // 2
+    plain = fit_with_room(rpc_build, rpc_endpoint, fit_model, room, "--fit-bandwidth", FAVOURS_SPLIT, split=False)
+    args = fitted_args(plain)
+    assert re.fullmatch(rf"-c {N_CTX} -ngl \d+", args), args
+    assert "chose" not in plain.stderr and "rejected" not in plain.stderr and "bandwidths" not in plain.stderr
+    layers = fitted_args(fit_with_room(rpc_build, rpc_endpoint, fit_model, room, "--fit-bandwidth", SLOW_LINK))
+    assert args == layers
 
 
 def test_a_bad_bandwidth_is_a_usage_error(rpc_build, rpc_endpoint, fit_model):

@@ -142,13 +142,13 @@ def test_only_a_build_of_the_binding_s_pin_is_packed():
 
 def test_python_series_is_separate_and_applied(lcp):
     names = read_series_names(paths.python_patches_dir())
-    assert len(names) == 9 and all(n.endswith(".patch") for n in names)
+    assert len(names) == 11 and all(n.endswith(".patch") for n in names)
     assert not set(names) & set(read_series_names())  # the C series does not list them
     tree = build_dir() / "llama-cpp-python" / "src"
     result = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "patch", "status", "--series",
                              "llama-cpp-python", "--llama-src", str(tree)], cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
-    assert result.returncode == 0 and "APPLIED: all 9 patches" in result.stdout, result.stdout
+    assert result.returncode == 0 and "APPLIED: all 11 patches" in result.stdout, result.stdout
 
 
 # --------------------------------------------------------------------------
@@ -215,6 +215,58 @@ def test_split_matches_whole(lcp, gguf_models, name):
     assert (whole["getstate"], split["getstate"]) == (1.0, 0.5)
     assert out["cont"]["1.0->0.5"] == out["cont"]["0.5->1.0"] == out["cont"]["1.0->1.0"]
     assert len(out["cont"]["1.0->1.0"]) == 8
+
+
+BUDGET_CODE = r"""
+import json, sys
+root, gguf_home, model, budget = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+from llama_cpp import Llama
+kw = dict(n_ctx=1024, n_batch=64, n_ubatch=64, flash_attn=True, verbose=False, headinfer_attn="chunked",
+          headinfer_attn_chunk=256)
+out = {}
+try:  # the venv has no pyllama-headinfer: the budget cannot be planned
+    Llama(model, headinfer_vram_budget=budget, **kw)
+except RuntimeError as e:
+    out["without_planner"] = str(e)
+sys.path[:0] = [root, gguf_home]  # now it has, with its dependency gguf (as `pip install pyllama-headinfer` gives)
+llm = Llama(model, headinfer_vram_budget=budget, **kw)
+state = llm.__getstate__()
+out.update(frac=llm.headinfer_gpu_heads_frac, resident=[l["n_head_resident"] for l in llm.kv_residency()["layers"]],
+           state=[state["headinfer_gpu_heads_frac"], "headinfer_vram_budget" in state])
+out["auto"] = Llama(model, headinfer_vram_budget="auto", **kw).headinfer_gpu_heads_frac
+for label, extra in (("both", dict(headinfer_vram_budget="1GiB", headinfer_gpu_heads_frac=0.5)),
+                     ("small", dict(headinfer_vram_budget="1MiB")), ("unreadable", dict(headinfer_vram_budget="lots"))):
+    try:
+        Llama(model, **kw, **extra)
+    except ValueError as e:
+        out[label] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_vram_budget_plans_the_fraction(lcp, gguf_models):
+    """headinfer_vram_budget: a budget that fits one of four KV heads per layer gives frac 0.25 (the planner's
+    choice, the same as the API's); "auto" (the CPU's free memory here, LLAMA_HEADINFER_FORCE_SPLIT=1) fits whole;
+    bad combinations are ValueErrors; without pyllama-headinfer importable, a RuntimeError that says so."""
+    from pyllama_headinfer.params import ContextParams
+    from pyllama_headinfer.vram.plan import plan_kv
+
+    model = gguf_models["llama-gqa"]
+    # in chunks of 256 cells: fewer resident heads then need less device memory (tests/test_plan.py, CHUNKED)
+    plan = plan_kv(model, ContextParams(n_ctx=1024, n_batch=64, n_ubatch=64, headinfer_attn="chunked",
+                                        headinfer_attn_chunk=256), n_gpu_layers=-1, force_split=True)
+    budget = plan.row(1).device_total
+    assert all(r.device_total > budget for r in plan.rows[1:])  # only g = 1 fits
+    import gguf
+
+    out = run_py(lcp, BUDGET_CODE, str(ROOT), str(Path(gguf.__file__).parents[1]), str(model), str(budget))
+    assert "pyllama-headinfer" in out["without_planner"] and "headinfer_gpu_heads_frac" in out["without_planner"]
+    assert out["frac"] == 0.25 and out["resident"] == [1, 1, 1]
+    assert out["state"] == [0.25, False]  # the planned fraction is kept, not the budget
+    assert out["auto"] == 1.0
+    assert "not both" in out["both"]
+    assert "smaller than the weights" in out["small"]
+    assert "as a size" in out["unreadable"]
 
 
 def test_real_models_same_at_any_fraction(lcp, gemma, tmp_path, built):

@@ -23,34 +23,30 @@ from pyllama_headinfer.api.state import StateIO
 from pyllama_headinfer.errors import ContextError, HeadInferWarning
 from pyllama_headinfer.params import AUTO_VRAM_BUDGET, HEADINFER_ATTN_TYPES, ContextParams, format_bytes
 from pyllama_headinfer.runtime.log import capture_log, checked_call
-from pyllama_headinfer.vram.memory import weights
-from pyllama_headinfer.vram.model import read_model_info
-from pyllama_headinfer.vram.plan import Plan, plan_for_context, plan_kv
+from pyllama_headinfer.vram.plan import (AUTO_VRAM_BUDGET_MARGIN, Plan, auto_vram_budget, plan_for_context,
+                                         plan_kv)
 
 # The API's logger keeps the name of the public module (documented, and what
 # the runtime routes llama.cpp's own log to).
 logger = logging.getLogger("pyllama_headinfer.llama")
 
-# what llama.cpp's --fit leaves free on each device by default (common_params.fit_params_target)
-AUTO_VRAM_BUDGET_MARGIN = 1 << 30
-
-
 def resolve_vram_budget(model: Model, params: ContextParams) -> ContextParams:
-    """``params`` with ``headinfer_vram_budget="auto"`` replaced by bytes: the free memory of the model's devices
-    (every GPU when it was not given any; the CPU on a build without one, where only
-    LLAMA_HEADINFER_FORCE_SPLIT=1 splits), less 1 GiB per device as llama.cpp's ``--fit`` leaves, plus the
-    weights the model has on them already (the budget is a device total: weights + KV + compute)."""
+    """``params`` with ``headinfer_vram_budget="auto"`` replaced by bytes (:func:`~.vram.plan.auto_vram_budget`): the
+    free memory of the model's devices (every GPU when it was not given any; the CPU on a build without one, where
+    only LLAMA_HEADINFER_FORCE_SPLIT=1 splits), less 1 GiB per device as llama.cpp's ``--fit`` leaves, plus the weights
+    the model has on them already."""
     if params.headinfer_vram_budget != AUTO_VRAM_BUDGET:
         return params
     from pyllama_headinfer.api.devices import device_free_bytes, list_devices
 
     names = model.devices or [d.name for d in list_devices() if d.type == "gpu"] or ["CPU"]
     free = device_free_bytes(names)
-    on_device = weights(read_model_info(model.gguf), model.n_gpu_layers).device_alloc
-    budget = max(1, free + on_device - AUTO_VRAM_BUDGET_MARGIN * len(names))
-    logger.info("headinfer_vram_budget 'auto': %s free on %s + %s of weights there - %s margin = %s",
-                format_bytes(free), ", ".join(names), format_bytes(on_device),
-                format_bytes(AUTO_VRAM_BUDGET_MARGIN * len(names)), format_bytes(budget))
+    # as the plan counts them: a build without GPU offload plans as if every layer were offloaded
+    n_gpu_layers = model.n_gpu_layers if model._lib.llama_supports_gpu_offload() else -1
+    budget = auto_vram_budget(model.gguf, n_gpu_layers, free, len(names))
+    logger.info("headinfer_vram_budget 'auto': %s free on %s, %s margin: a budget of %s with the weights",
+                format_bytes(free), ", ".join(names), format_bytes(AUTO_VRAM_BUDGET_MARGIN * len(names)),
+                format_bytes(budget))
     return params.replace(headinfer_vram_budget=budget)
 
 

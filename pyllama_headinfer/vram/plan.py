@@ -435,6 +435,21 @@ def plan_for_context(model: str | os.PathLike | GGUFFile | ModelInfo, params: Co
     return p
 
 
+# headinfer_vram_budget="auto": what llama.cpp's --fit leaves free on each device by default (fit_params_target)
+AUTO_VRAM_BUDGET_MARGIN = 1 << 30
+
+
+def auto_vram_budget(model: str | os.PathLike | GGUFFile | ModelInfo, n_gpu_layers: int, free_bytes: int,
+                     n_devices: int) -> int:
+    """``headinfer_vram_budget="auto"`` in bytes: ``free_bytes``, the free memory of ``n_devices`` devices measured with
+    the model's weights on them already, less llama.cpp's 1 GiB ``--fit`` margin per device, plus those weights (the
+    budget is a device total: weights + KV + compute). At least 1 byte: a budget the weights exceed is refused by the
+    plan with its advice."""
+    info = model if isinstance(model, ModelInfo) else read_model_info(model)
+    on_device = weights(info, n_gpu_layers).device_alloc
+    return max(1, int(free_bytes) + on_device - AUTO_VRAM_BUDGET_MARGIN * int(n_devices))
+
+
 def force_split_from_env(environ=os.environ) -> bool:
     """Whether LLAMA_HEADINFER_FORCE_SPLIT is on, read as llama.cpp reads it (atoi != 0)."""
     v = environ.get(FORCE_SPLIT_ENV)
