@@ -23,7 +23,7 @@ for commit in $(git rev-list --reverse "$PIN..$BRANCH"); do
   i=$((i + 1))
   [ $i -lt "$FIRST" ] && continue
   git checkout -q "$commit" || { echo "$i checkout failed"; status=1; break; }
-  targets="ggml ggml-base ggml-cpu llama llama-common llama-bench test-backend-ops test-llama-archs"
+  targets="ggml ggml-base ggml-cpu llama llama-common llama-bench llama-fit-params test-backend-ops test-llama-archs"
   [ -f tests/test-backend-sched.cpp ] && targets="$targets test-backend-sched"
   log=$LOGS/$(printf "%02d" $i).log
   if ninja -C "$BUILD" $targets > "$log" 2>&1; then result=OK; else result=FAIL; status=1; fi

@@ -10,6 +10,9 @@
 #   scripts/gpu_session.sh OUTDIR perf    # plain FLASH_ATTN_EXT perf, the pin against this series (~2 min)
 #   scripts/gpu_session.sh OUTDIR decode  # the decode table, this series against the series before it, one model,
 #                                         # interleaved, with the host-to-device copy rate before and after (~6 min)
+#   scripts/gpu_session.sh OUTDIR fit     # llama.cpp's --fit with the split against its answer without, for the
+#                                         # rows in $HI_FIT_ROWS (CTX:CARD_GIB,...; scripts/fit_table.py)
+#   scripts/gpu_session.sh OUTDIR tools   # this series' tools alone (-j 16), for the fit part of the same call
 #
 # Needs, in the checkout: .gpu-carry/llama.cpp-<pin commit>.tar.gz (a GitHub-style archive of the pin's tree),
 # .gpu-carry/old-series/ (the series to compare with: its patches and `series` file) and .whl/ (cffi, pycparser and
@@ -17,8 +20,8 @@
 # Builds go to build/cuda-new, build/cuda-old and build/cuda-pin.
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|quick|checks|perf|decode}
-part=${2:?usage: $0 OUTDIR build|quick|checks|perf|decode}
+out=${1:?usage: $0 OUTDIR build|quick|checks|perf|decode|fit|tools}
+part=${2:?usage: $0 OUTDIR build|quick|checks|perf|decode|fit|tools}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -115,6 +118,15 @@ decode)
         done
     done
     { echo "== after"; python3 scripts/h2d_bandwidth.py; } >> "$out/h2d.txt" 2>&1
+    ;;
+tools)
+    build_variant new "$root/patches/b11312" --tools -j 16
+    ;;
+fit)
+    bench_model > "$out/model.log" 2>&1
+    { time python3 scripts/fit_table.py --bin build/cuda-new/bin --model "$model" \
+        --rows "${HI_FIT_ROWS:-32768:8,131072:12,131072:16}" --log-dir "$out/fit-logs"; } > "$out/fit_table.md" 2>&1
+    echo "fit_table exit $?" >> "$out/fit_table.md"
     ;;
 *)
     echo "unknown part: $part" >&2
