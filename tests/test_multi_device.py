@@ -675,8 +675,9 @@ def test_a_state_read_replaces_prefetched_host_heads(rpc_build, gguf_models):
 def test_scheduler_streaming_test(rpc_build, tmp_path):
     """The series' own scheduler test, written for upstream (tests/test-backend-sched.cpp, ggml only; compiled here
     against the RPC build's libraries): streamed inputs, stores written back from the device and the prefetch of the
-    next computation give the bytes of the scheduler without streaming, on a local RPC server's device, and
-    ggml_backend_sched_reserve_size() predicts the compute buffer that is allocated (patch 0029)."""
+    next computation give the bytes of the scheduler without streaming, on a local RPC server's device,
+    ggml_backend_sched_reserve_size() predicts the compute buffer that is allocated, and an eval callback sees the
+    same nodes streamed and not, the stores into host memory among them (PR 4 of docs/UPSTREAM.md)."""
     source = Path(re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", (rpc_build / "CMakeCache.txt").read_text(),
                             flags=re.M).group(1))
     binary = tmp_path / "test-backend-sched"
@@ -694,6 +695,7 @@ def test_scheduler_streaming_test(rpc_build, tmp_path):
                          env=rpc_env(rpc_build), timeout=600)
     assert run.returncode == 0 and run.stdout.rstrip().endswith("OK"), run.stdout[-2000:] + run.stderr[-2000:]
     assert "device: RPC0" in run.stdout
+    assert "4 layers, an eval callback: 180 nodes seen streamed and not, 24 stores among them" in run.stdout
 
 
 def test_layer_split_is_bit_exact_in_chunks(rpc_build):
