@@ -6,7 +6,7 @@ layer's KV heads against moving layers to system memory, and takes the one its d
 
 The device is a local RPC server serving this machine's CPU (``LLAMA_HEADINFER_FORCE_SPLIT=1`` splits its layers,
 which RPC devices otherwise do not); ``--fit-target`` leaves it ``room`` MiB; the model is an 8-layer GQA model (4 KV
-heads) at a 64K context, whose 512 MiB KV cache does not fit. The rooms are not hard-coded: they are placed halfway
+heads) at a 128K context, whose 1 GiB KV cache does not fit. The rooms are not hard-coded: they are placed halfway
 between the device totals llama-fit-params --fit-print reports for the configurations that must and must not fit,
 so a few MiB of drift in the machine's free memory between two calls changes no decision. ``--fit-bandwidth`` fixes
 the speed model's bandwidths, so the decision does not depend on this machine's.
@@ -28,7 +28,7 @@ from testing_models import FORCE_SPLIT, SPECS, with_layers, write_model
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-N_CTX = 65536
+N_CTX = 131072
 MiB = 1024 * 1024
 # GB/s of device memory, host-to-device copies and system memory
 FAVOURS_SPLIT = "100,50,10"
@@ -104,7 +104,9 @@ def test_fit_keeps_every_layer_on_the_device_when_the_split_is_predicted_faster(
     assert re.fullmatch(rf"-c {N_CTX} -ngl -1 -hgf [0-9.]+", args), args
     frac = float(args.split()[-1])
     assert round(frac * 4) == 1, args  # one of 4 KV heads: the most that fits
-    assert re.search(r"chose every layer on the device, 128 of 512 MiB of KV in device memory .*joined attention", run.stderr)
+    kv = re.search(r"chose every layer on the device, (\d+) of (\d+) MiB of KV in device memory .*joined attention",
+                   run.stderr)
+    assert kv and 4 * int(kv.group(1)) == int(kv.group(2)) == 1024, run.stderr[-2000:]
     assert re.search(r"rejected \d+ of 9 layers on the device", run.stderr)
 
 
