@@ -68,12 +68,9 @@ def device_total_mib(rpc_build: Path, endpoint: str, model: Path, *args: str) ->
 
 def free_mib() -> int:
     """The free memory the RPC device reports: its server serves this machine's CPU device."""
-    from pyllama_headinfer.runtime import bindings
+    from pyllama_headinfer.api.devices import device_free_bytes
 
-    ffi, lib = bindings.load()
-    free, total = ffi.new("size_t *"), ffi.new("size_t *")
-    lib.ggml_backend_dev_memory(lib.ggml_backend_dev_by_type(lib.GGML_BACKEND_DEVICE_TYPE_CPU), free, total)
-    return free[0] // MiB
+    return device_free_bytes(["CPU"]) // MiB
 
 
 def fit_with_room(rpc_build, endpoint, model, room_mib: int, *args: str, split: bool = True) -> subprocess.CompletedProcess:

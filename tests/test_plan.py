@@ -512,7 +512,7 @@ def test_context_vram_budget_auto_is_the_free_device_memory(residency_llama, ope
         assert ctx.params.headinfer_vram_budget == budget
     assert asked == [["CPU"]]  # a CPU build: no GPU, the CPU stands for it
     assert any("'auto'" in m and "margin" in m for m in api_log), api_log
-    assert auto_vram_budget(all_models["llama-gqa"], -1, free(["CPU"]), 1) == budget
+    assert auto_vram_budget(all_models["llama-gqa"], 0, free(["CPU"]), 1, gpu_offload=False) == budget
 
     monkeypatch.setattr(devices, "device_free_bytes", lambda names: 10 << 30)  # plenty: nothing to split
     with residency_llama.Context(opened["llama-gqa"], n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=1,

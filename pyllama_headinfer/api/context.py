@@ -30,6 +30,7 @@ from pyllama_headinfer.vram.plan import (AUTO_VRAM_BUDGET_MARGIN, Plan, auto_vra
 # the runtime routes llama.cpp's own log to).
 logger = logging.getLogger("pyllama_headinfer.llama")
 
+
 def resolve_vram_budget(model: Model, params: ContextParams) -> ContextParams:
     """``params`` with ``headinfer_vram_budget="auto"`` replaced by bytes (:func:`~.vram.plan.auto_vram_budget`): the
     free memory of the model's devices (every GPU when it was not given any; the CPU on a build without one, where
@@ -41,9 +42,8 @@ def resolve_vram_budget(model: Model, params: ContextParams) -> ContextParams:
 
     names = model.devices or [d.name for d in list_devices() if d.type == "gpu"] or ["CPU"]
     free = device_free_bytes(names)
-    # as the plan counts them: a build without GPU offload plans as if every layer were offloaded
-    n_gpu_layers = model.n_gpu_layers if model._lib.llama_supports_gpu_offload() else -1
-    budget = auto_vram_budget(model.gguf, n_gpu_layers, free, len(names))
+    budget = auto_vram_budget(model.gguf, model.n_gpu_layers, free, len(names),
+                              gpu_offload=bool(model._lib.llama_supports_gpu_offload()))
     logger.info("headinfer_vram_budget 'auto': %s free on %s, %s margin: a budget of %s with the weights",
                 format_bytes(free), ", ".join(names), format_bytes(AUTO_VRAM_BUDGET_MARGIN * len(names)),
                 format_bytes(budget))

@@ -55,13 +55,19 @@ def list_devices() -> list[DeviceInfo]:
             for name, dev in _registry().items()]
 
 
-def device_free_bytes(names: Sequence[str]) -> int:
-    """The free memory of the named devices together, in bytes, as ggml reports it."""
-    ffi, lib = bindings.load()
+def _known(names: Sequence[str]) -> dict:
+    """ggml's registry (name -> ggml_backend_dev_t); HeadInferError if one of ``names`` is not in it."""
     by_name = _registry()
     missing = [n for n in names if n not in by_name]
     if missing:
         raise HeadInferError(f"unknown device(s) {missing}; known: {sorted(by_name)}")
+    return by_name
+
+
+def device_free_bytes(names: Sequence[str]) -> int:
+    """The free memory of the named devices together, in bytes, as ggml reports it."""
+    ffi, lib = bindings.load()
+    by_name = _known(names)
     free, total = ffi.new("size_t *"), ffi.new("size_t *")
     n = 0
     for name in names:
@@ -73,10 +79,7 @@ def device_free_bytes(names: Sequence[str]) -> int:
 def device_handles(names: Sequence[str]):
     """A NULL-terminated ``ggml_backend_dev_t[]`` for the named devices (keep it alive while in use)."""
     ffi, lib = bindings.load()
-    by_name = _registry()
-    missing = [n for n in names if n not in by_name]
-    if missing:
-        raise HeadInferError(f"unknown device(s) {missing}; known: {sorted(by_name)}")
+    by_name = _known(names)
     cpus = [n for n in names if int(lib.ggml_backend_dev_type(by_name[n])) == int(lib.GGML_BACKEND_DEVICE_TYPE_CPU)]
     if cpus:  # as llama.cpp's --device: layers that are not offloaded stay on the CPU by themselves
         raise HeadInferError(f"{cpus[0]} is not an offload device; name GPUs or RPC devices "

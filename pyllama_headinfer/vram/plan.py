@@ -411,6 +411,12 @@ def frac_for_budget(model: str | os.PathLike | GGUFFile | ModelInfo, params: Con
     return plan_kv(model, params, **kwargs).frac
 
 
+def planned_gpu_layers(n_gpu_layers: int, gpu_offload: bool) -> int:
+    """The layers a context's plan counts on the device: the model's, or on a build without GPU offload every layer
+    (what LLAMA_HEADINFER_FORCE_SPLIT=1 splits there, the layers' own buffers standing for the device)."""
+    return n_gpu_layers if gpu_offload else -1
+
+
 def plan_for_context(model: str | os.PathLike | GGUFFile | ModelInfo, params: ContextParams, *,
                      n_gpu_layers: int, gpu_offload: bool) -> Plan | None:
     """The plan behind a context created with ``params.headinfer_vram_budget``:
@@ -424,7 +430,7 @@ def plan_for_context(model: str | os.PathLike | GGUFFile | ModelInfo, params: Co
     force = force_split_from_env()
     if not gpu_offload and not force:
         return None
-    p = plan_kv(model, params, n_gpu_layers=n_gpu_layers if gpu_offload else -1, force_split=force)
+    p = plan_kv(model, params, n_gpu_layers=planned_gpu_layers(n_gpu_layers, gpu_offload), force_split=force)
     emulated = "" if gpu_offload else \
         f" (a build without GPU offload under {FORCE_SPLIT_ENV}=1: planned as if every layer were offloaded)"
     if emulated:
@@ -440,13 +446,13 @@ AUTO_VRAM_BUDGET_MARGIN = 1 << 30
 
 
 def auto_vram_budget(model: str | os.PathLike | GGUFFile | ModelInfo, n_gpu_layers: int, free_bytes: int,
-                     n_devices: int) -> int:
+                     n_devices: int, *, gpu_offload: bool) -> int:
     """``headinfer_vram_budget="auto"`` in bytes: ``free_bytes``, the free memory of ``n_devices`` devices measured with
-    the model's weights on them already, less llama.cpp's 1 GiB ``--fit`` margin per device, plus those weights (the
-    budget is a device total: weights + KV + compute). At least 1 byte: a budget the weights exceed is refused by the
-    plan with its advice."""
+    the model's weights on them already, less llama.cpp's 1 GiB ``--fit`` margin per device, plus those weights as the
+    plan counts them (:func:`planned_gpu_layers`; the budget is a device total: weights + KV + compute). At least 1
+    byte: a budget the weights exceed is refused by the plan with its advice."""
     info = model if isinstance(model, ModelInfo) else read_model_info(model)
-    on_device = weights(info, n_gpu_layers).device_alloc
+    on_device = weights(info, planned_gpu_layers(n_gpu_layers, gpu_offload)).device_alloc
     return max(1, int(free_bytes) + on_device - AUTO_VRAM_BUDGET_MARGIN * int(n_devices))
 
 
