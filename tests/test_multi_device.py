@@ -391,6 +391,97 @@ def test_a_million_cell_context_in_chunks_adds_what_64k_cells_add(rpc_build, ggu
     assert re.findall(r"^logits (\d+) (\w+)$", out, flags=re.M) == [("65536", "identical"), ("1048576", "identical")], out
 
 
+# a context of argv[2] sequences, one KV stream each (no unified cache), attending in chunks of 1024 cells, at frac 1.0
+# and 0.5: the device compute buffer, and the logits of 3 steps of one token in every sequence in one batch
+SEQUENCES_CHILD = r"""
+import sys
+sys.path.insert(0, "scripts")
+from gpu_check import rpc_servers
+from pyllama_headinfer.llama import Context, Model, rpc_add_server
+from pyllama_headinfer.runtime.log import capture_log, compute_buffers_mib
+n_seq = int(sys.argv[2])
+steps = {}
+with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
+    for frac in (1.0, 0.5):
+        with capture_log() as log, Context(model, n_ctx=4096 * n_seq, n_seq_max=n_seq, kv_unified=False, n_batch=512,
+                                           n_ubatch=512, flash_attn=True, headinfer_gpu_heads_frac=frac,
+                                           headinfer_attn="chunked", headinfer_attn_chunk=1024) as ctx:
+            for seq in range(n_seq):  # two chunks of each stream in use
+                ctx.decode([(7 * i + seq) % 500 + 5 for i in range(1100 + 100 * seq)], seq_id=seq)
+            steps[frac] = []
+            for step in range(3):
+                rows = ctx.decode_batch({seq: [(11 * step + seq) % 500 + 5] for seq in range(n_seq)})
+                steps[frac] += [ctx.logits(rows[seq]).tobytes() for seq in range(n_seq)]
+        sizes = compute_buffers_mib(log)
+        print("buffer", frac, next(mib for name, mib in sizes.items() if name.startswith("RPC0")))
+        print("".join(text for _, text in log if "staging buffer" in text))
+print("logits", "identical" if steps[1.0] == steps[0.5] else "differ")
+"""
+
+
+def test_several_sequences_in_chunks_stage_what_plan_predicts(rpc_build, gguf_models):
+    """Four sequences, one KV stream each (llama-server -np 4 without -kvu), attending in chunks: a chunk of a split
+    layer reads its cells of every stream, a strided view of host memory whose span reaches across the streams. A
+    staging slot holds the bytes read (a compact copy): one chunk's cells of each of the 4 streams, 2 MiB here, not
+    the 3 x 4096 + 1024 cells that the view spans (6.5 MiB), and the device's compute buffer stays within the one
+    that ``plan`` predicts for the mode: 19.1 MiB measured at frac 0.5, 21.3 predicted (32.6 MiB with the slots of
+    the views' span). The logits of every sequence are frac 1.0's."""
+    out = run_split_child(rpc_build, SEQUENCES_CHILD, str(gguf_models["llama-gqa"]), "4")
+    mib = {float(f): float(size) for f, size in re.findall(r"^buffer ([0-9.]+) ([0-9.]+)$", out, flags=re.M)}
+    assert len(mib) == 2, out
+    assert "logits identical" in out, out[-3000:]
+    # llama-gqa: 4 KV heads x 64, F16; at frac 0.5 a cell's host K and V are 2 x 2 x 64 x 2 = 512 bytes; a chunk
+    # reads 1024 cells of each stream and a neighbouring one (get_split_chunk's spare row)
+    slot = 4 * (1024 + 1) * 512
+    assert re.findall(r"staging buffer from [0-9.]+ MiB to [0-9.]+ MiB: 3 slots of (\d+) bytes", out) == [str(slot)], out
+    assert mib[0.5] - mib[1.0] >= 3 * slot / 2**20, mib
+    params = ContextParams(n_ctx=4 * 4096, n_seq_max=4, kv_unified=False, n_batch=512, n_ubatch=512, flash_attn=True,
+                           headinfer_attn="chunked", headinfer_attn_chunk=1024)
+    plan = plan_kv(gguf_models["llama-gqa"], params, force_split=True)
+    for frac in (1.0, 0.5):
+        assert mib[frac] <= plan.row_for_frac(frac).compute / 2**20, (frac, mib, plan.row_for_frac(frac).compute)
+
+
+# a context attending in chunks of 1024 cells, filled to 3000 cells, then shifted (K-shift) by 1000 positions: what
+# llama.cpp logged about the device's buffers while it shifted and decoded the next token
+SHIFT_CHILD = r"""
+import sys
+sys.path.insert(0, "scripts")
+from gpu_check import rpc_servers
+from pyllama_headinfer.llama import Context, Model, rpc_add_server
+from pyllama_headinfer.runtime.log import capture_log
+with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
+    with capture_log() as reserve_log:
+        ctx = Context(model, n_ctx=4096, n_batch=512, n_ubatch=512, flash_attn=True, headinfer_gpu_heads_frac=0.5,
+                      headinfer_attn="chunked", headinfer_attn_chunk=1024)
+    with ctx:
+        ctx.decode([(7 * i) % 500 + 5 for i in range(3000)])
+        ctx.seq_rm(0, 10, 1010)
+        ctx.seq_add(0, 1010, -1, -1000)
+        with capture_log() as log:
+            ctx.decode([7])
+print("".join(text for _, text in reserve_log if "staging buffer" in text))
+print("== shift")
+print("".join(text for _, text in log))
+"""
+
+
+def test_a_k_shift_in_chunks_stays_in_the_reserved_device_memory(rpc_build, gguf_models):
+    """A context shift (K-shift) of a context that attends in chunks rotates the host heads one chunk of cells at a
+    time: the scheduler stages one chunk of host K, as for the attention, and neither its staging buffer nor the
+    compute buffer grows beyond what the context reserved. Shifted whole, the host K of a layer (4096 cells here) grew
+    the staging buffer for the rest of the context. The shift's bits are frac 1.0's in chunks:
+    test_layer_split_is_bit_exact_in_chunks (its shift scenario, K F16 and Q8_0)."""
+    out = run_split_child(rpc_build, SHIFT_CHILD, str(gguf_models["llama-gqa"]))
+    reserved, shift_log = out.split("== shift")
+    # the reserve sized the staging buffer: three slots of one chunk's host K and V (1025 cells of 512 bytes)
+    assert re.findall(r"staging buffer from [0-9.]+ MiB to [0-9.]+ MiB: 3 slots of (\d+) bytes", reserved) == \
+        [str(1025 * 512)], out
+    assert "applying K-shift" in shift_log, shift_log
+    assert "staging buffer from" not in shift_log, shift_log
+    assert "reallocating" not in shift_log, shift_log
+
+
 # the device compute buffer and the graphs' splits (pp, tg) of a context of argv[2] cells at n_ubatch argv[3]
 # (default 2048)
 BUFFERS_CHILD = r"""
@@ -521,18 +612,19 @@ def split_inputs(log: str) -> list[tuple[str, list[str]]]:
 def test_streamed_host_heads_skip_the_cells_between_kv_streams(rpc_build, gguf_models):
     """With one KV stream per sequence and a ubatch over two streams, a split layer's host heads are read as a view of
     the first n_kv cells of both; the scheduler streams those cells of each stream, not the rest of the first stream
-    that lies between them in host memory (patch 0018; the exactness with stale bytes in between is gpu_check's
-    streams scenario, test_layer_split_over_two_devices_is_bit_exact)."""
+    that lies between them in host memory, into a compact copy: the staging slot holds the bytes streamed, not the
+    view's span (the exactness with stale bytes in between is gpu_check's streams scenario,
+    test_layer_split_over_two_devices_is_bit_exact)."""
     stdout = run_split_child(rpc_build, DECODE_STREAMS_CHILD, str(gguf_models["llama-gqa"]), "0,1", sched_debug="1")
     splits = streamed_bytes(stdout)
     # llama-gqa: 3 layers of 4 KV heads x 64, f16; at frac 0.5 each row of the host heads is 2 x 64 x 2 = 256 bytes.
     # n_kv is 256 (the attention's padding; both sequences use fewer cells), each stream has 1024 cells: K and V of
-    # both streams' first 256 cells are streamed, not the 1024 + 256 cells that the views span
-    row, n_kv, n_cells = 256, 256, 1024
+    # both streams' first 256 cells are streamed and staged, not the 1024 + 256 cells that the views span
+    row, n_kv = 256, 256
     assert len(splits) == 3, stdout
     for streamed, slot in splits:
         assert streamed == 2 * 2 * n_kv * row, splits
-        assert slot >= 2 * (n_cells + n_kv) * row, splits  # the copies keep the views' layout in the slot
+        assert slot == streamed, splits  # a copy as compact as its bytes
 
 
 def test_streams_of_sequences_not_in_the_ubatch_are_not_streamed(rpc_build, gguf_models):
@@ -676,8 +768,10 @@ def test_scheduler_streaming_test(rpc_build, tmp_path):
     """The series' own scheduler test, written for upstream (tests/test-backend-sched.cpp, ggml only; compiled here
     against the RPC build's libraries): streamed inputs, stores written back from the device and the prefetch of the
     next computation give the bytes of the scheduler without streaming, on a local RPC server's device,
-    ggml_backend_sched_reserve_size() predicts the compute buffer that is allocated, and an eval callback sees the
-    same nodes streamed and not, the stores into host memory among them (PR 4 of docs/UPSTREAM.md)."""
+    ggml_backend_sched_reserve_size() predicts the compute buffer that is allocated, an eval callback sees the
+    same nodes streamed and not, the stores into host memory among them, the views of several KV streams are staged
+    as compact copies, and a second scheduler that reads the host memory another one writes (two contexts that share
+    a KV cache) sees every write when it does not prefetch (PR 4 of docs/UPSTREAM.md)."""
     source = Path(re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", (rpc_build / "CMakeCache.txt").read_text(),
                             flags=re.M).group(1))
     binary = tmp_path / "test-backend-sched"
@@ -696,6 +790,10 @@ def test_scheduler_streaming_test(rpc_build, tmp_path):
     assert run.returncode == 0 and run.stdout.rstrip().endswith("OK"), run.stdout[-2000:] + run.stderr[-2000:]
     assert "device: RPC0" in run.stdout
     assert "4 layers, an eval callback: 180 nodes seen streamed and not, 24 stores among them" in run.stdout
+    assert re.search(r"^4 layers, 4 streams: device compute buffer: \d+ bytes without streaming, (\d+) streamed "
+                     r"\(\1 for streams without gaps\)$", run.stdout, flags=re.M), run.stdout
+    assert "4 layers, a second scheduler reads: without prefetch every step as without streaming; with prefetch 2 of " \
+        "3 steps stale" in run.stdout
 
 
 def test_layer_split_is_bit_exact_in_chunks(rpc_build):
