@@ -13,6 +13,8 @@
 #   scripts/gpu_session.sh OUTDIR fit     # llama.cpp's --fit with the split against its answer without, for the
 #                                         # rows in $HI_FIT_ROWS (CTX:CARD_GIB,...; scripts/fit_table.py)
 #   scripts/gpu_session.sh OUTDIR tools   # this series' tools alone (-j 16), for the fit part of the same call
+#   scripts/gpu_session.sh OUTDIR serve   # llama-server, 4 slots of 32K cells, one KV stream each, in chunks, and a
+#                                         # context shift: the device buffers against plan's (frac 1 and 0.5)
 #
 # Needs, in the checkout: .gpu-carry/llama.cpp-<pin commit>.tar.gz (a GitHub-style archive of the pin's tree),
 # .gpu-carry/old-series/ (the series to compare with: its patches and `series` file) and .whl/ (cffi, pycparser and
@@ -20,8 +22,8 @@
 # Builds go to build/cuda-new, build/cuda-old and build/cuda-pin.
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|quick|checks|perf|decode|fit|tools}
-part=${2:?usage: $0 OUTDIR build|quick|checks|perf|decode|fit|tools}
+out=${1:?usage: $0 OUTDIR build|quick|checks|perf|decode|fit|tools|serve}
+part=${2:?usage: $0 OUTDIR build|quick|checks|perf|decode|fit|tools|serve}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -127,6 +129,14 @@ fit)
     { time python3 scripts/fit_table.py --bin build/cuda-new/bin --model "$model" \
         --rows "${HI_FIT_ROWS:-32768:8,131072:12,131072:16}" --log-dir "$out/fit-logs"; } > "$out/fit_table.md" 2>&1
     echo "fit_table exit $?" >> "$out/fit_table.md"
+    ;;
+serve)
+    bench_model > "$out/model.log" 2>&1
+    export PYLLAMA_HEADINFER_BUILD_DIR=$root/build/cuda-new
+    { time python3 scripts/server_bench.py memory --model "$model" --frac 1,0.5 --slots 4 --ctx 32768 \
+        --prompt-tokens 32000 --max-tokens 16 --ngl 99 --client http --json "$out/server_memory.json" \
+        -- --headinfer-attn chunked; } > "$out/server_memory.md" 2>&1
+    echo "server_bench exit $?" >> "$out/server_memory.md"
     ;;
 *)
     echo "unknown part: $part" >&2

@@ -39,6 +39,14 @@ probability A once the ones before it were, whatever it is), for models whose ow
 means nothing: the zero-weight models of scripts/make_bench_model.py predict ties, which the
 draft and the target break differently (acceptance 0).
 
+memory: ``-np N`` slots, one KV stream each (``--no-kv-unified``), ``--context-shift``, llama.cpp's
+debug log on (``-lv 5``, into ``--server-log`` or a temporary file): the N prompts filled and
+decoded as in *load*, then slot 0 generates past the end of its context, so the server shifts it
+(K-shift). Rows per fraction: the device compute buffers and the scheduler's staging buffer as
+reserved, whether the staging buffer or a compute buffer grew after the reservation (the log's
+"staging buffer from" / "reallocating" lines), the slot's context shift seen, and ``plan``'s
+estimate of the compute buffer and of what the split adds (its arena) for the same context.
+
 save: one slot (``-np 1``, ``--slot-save-path``) holding a prompt of ``--prompt-tokens`` tokens
 (+1 generated), then ``--repeat`` saves of the slot (``POST /slots/0?action=save``) and as many
 restores of one file (``--save-dir``); rows per fraction: the bytes written, the median of the server's own ``save_ms`` and
@@ -54,7 +62,9 @@ import argparse
 import json
 import random
 import socket
+import re
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -67,6 +77,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pyllama_headinfer.cli import serve as serve_cli  # noqa: E402
+from pyllama_headinfer.runtime.log import compute_buffers_mib  # noqa: E402
 from pyllama_headinfer.errors import HeadInferError, ServeError, UsageError  # noqa: E402
 
 PROG = "server_bench"
@@ -402,6 +413,75 @@ def run_load(args, rows: List[dict]) -> None:
                      "ctx_per_slot": args.ctx, **result})
 
 
+_STAGING_RE = re.compile(r"(\S+) staging buffer from ([0-9.]+) MiB to ([0-9.]+) MiB")
+_SHIFT_RE = re.compile(r"slot context shift, n_keep = (\d+), n_left = (\d+), n_discard = (\d+)")
+
+
+def memory_figures(log_text: str, mark: int) -> dict:
+    """The device buffers a server logged (llama.cpp's debug log): compute buffers as last reserved before ``mark``
+    (an offset into the log), the staging buffer as reserved, and what grew after ``mark``."""
+    before, after = log_text[:mark], log_text[mark:]
+    compute = {name: mib for name, mib in compute_buffers_mib([(None, line) for line in before.splitlines()]).items()
+               if not name.startswith("CPU")}
+    staging = {m.group(1): float(m.group(3)) for m in _STAGING_RE.finditer(before)}
+    return {"compute_mib": compute, "staging_mib": staging,
+            "staging_grew": [m.group(0) for m in _STAGING_RE.finditer(after)],
+            "compute_grew": [line for line in after.splitlines() if "reallocating" in line],
+            "shifts": len(_SHIFT_RE.findall(after))}
+
+
+def run_memory(args, rows: List[dict]) -> None:
+    """One row per fraction: the device memory of N slots' streams and a context shift (see the module help)."""
+    from pyllama_headinfer.params import ContextParams
+    from pyllama_headinfer.vram.plan import plan_kv
+
+    n = args.slot_counts[-1]
+    for frac in args.fracs:
+        label = f"memory: {n} slot(s), one stream each, frac {frac:g}"
+        log_path = Path(args.server_log) if args.server_log else Path(tempfile.mkstemp(suffix=".log")[1])
+        start = log_path.stat().st_size if log_path.exists() else 0
+        extra = ["-np", str(n), "-c", str(args.ctx * n), "--no-kv-unified", "--context-shift", "-lv", "5",
+                 "--no-cache-idle-slots", *_common_server_args(args), *args.server_args]
+        saved, args.server_log = args.server_log, str(log_path)
+        try:
+            with ServerRun(args, frac, extra, label) as running:
+                client = Client(running.url, args.client, args.request_timeout)
+                prompts = make_prompts(running.url, n, args.prompt_tokens, _seed(args, 0))
+                result = fill_and_decode(client, prompts, args.max_tokens)
+                mark = log_path.stat().st_size
+                # slot 0 generates past the end of its context: the server shifts it once at least
+                client.completion(prompts[0], args.ctx - args.prompt_tokens + 64,
+                                  {"id_slot": 0, "cache_prompt": True, "ignore_eos": True})
+        finally:
+            args.server_log = saved
+        text = log_path.read_text(encoding="utf-8", errors="replace")[start:]
+        figures = memory_figures(text, mark - start)
+        if not args.server_log:
+            log_path.unlink()
+        if figures["shifts"] == 0:
+            raise BenchError(f"{label}: the server logged no context shift")
+        params = ContextParams(n_ctx=args.ctx * n, n_seq_max=n, kv_unified=False, flash_attn=True,
+                               **_plan_settings(args.server_args))
+        row_plan = plan_kv(args.model, params).row_for_frac(frac)
+        rows.append({"frac": frac, "slots": n, "ctx_per_slot": args.ctx, "split": running.split, "client": client.kind,
+                     **figures,
+                     "plan_compute_mib": row_plan.compute / 2**20, "plan_arena_mib": row_plan.arena / 2**20,
+                     "decode_tok_s": result["agg_tok_s"]})
+
+
+def _plan_settings(server_args: Sequence[str]) -> dict:
+    """The ContextParams fields that the llama-server arguments set and ``plan`` reads."""
+    settings = {}
+    for names, key, conv in ((("-b", "--batch-size"), "n_batch", int), (("-ub", "--ubatch-size"), "n_ubatch", int),
+                             (("-ctk", "--cache-type-k"), "type_k", str), (("-ctv", "--cache-type-v"), "type_v", str),
+                             (("--headinfer-attn",), "headinfer_attn", str),
+                             (("--headinfer-attn-chunk",), "headinfer_attn_chunk", int)):
+        value = serve_cli._option_value(server_args, names)
+        if value is not None:
+            settings[key] = conv(value)
+    return settings
+
+
 def run_spec(args, rows: List[dict]) -> None:
     """One row per configuration, appended to ``rows`` as it is measured."""
     if args.url:
@@ -512,6 +592,17 @@ def save_table(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def memory_table(rows: List[dict]) -> str:
+    lines = ["| frac | slots x ctx | device compute MiB | staging MiB | grew after reserve | context shifts "
+             "| plan compute MiB | plan arena MiB | decode tok/s |", "|---:|---|---:|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        grew = "; ".join(r["staging_grew"] + r["compute_grew"]) or "no"
+        lines.append(f"| {r['frac']:g} | {r['slots']} x {r['ctx_per_slot']} | {sum(r['compute_mib'].values()):.1f} "
+                     f"| {sum(r['staging_mib'].values()):.1f} | {grew} | {r['shifts']} | {r['plan_compute_mib']:.1f} "
+                     f"| {r['plan_arena_mib']:.1f} | {r['decode_tok_s']:.2f} |")
+    return "\n".join(lines)
+
+
 def spec_table(rows: List[dict]) -> str:
     lines = ["| frac | draft K | tok/s (server) | tok/s (wall) | speed-up | drafted | accepted | acceptance "
              "| prompt fill s |",
@@ -552,7 +643,7 @@ def _frac_list(text: str) -> List[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    modes = ap.add_subparsers(dest="mode", required=True, metavar="load|spec|save")
+    modes = ap.add_subparsers(dest="mode", required=True, metavar="load|spec|save|memory")
     common = argparse.ArgumentParser(add_help=False)
     where = common.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", "-m", help="GGUF model: one llama-server per configuration is started")
@@ -595,6 +686,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="llama-server's synthetic acceptance (benchmarking only): each draft token accepted with "
                            "probability A once the ones before it were (--spec-synth-rates A,A^2,...); one server "
                            "per value and K")
+    memory = modes.add_parser("memory", parents=[common], help="the device memory of N slots and a context shift",
+                              description="N slots, one KV stream each, and a context shift: the device buffers "
+                                          "against plan's estimate (see the module help)")
+    memory.add_argument("--slots", type=_int_list, default=[4], help="slots (default 4)")
     save = modes.add_parser("save", parents=[common], help="slot save and restore (llama_state_seq_*_file)",
                             description="one slot's save and restore through llama-server (see the module help)")
     save.add_argument("--repeat", type=int, default=5, help="saves and restores per fraction (default 5)")
@@ -622,6 +717,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     elif args.mode == "load":
         args.slots_given = args.slots is not None
         args.slot_counts = args.slots or [1, 2, 4]
+    elif args.mode == "memory":
+        if args.url:
+            raise UsageError("memory starts its own servers (their debug log is read): use --model, not --url")
+        args.slot_counts = args.slots
     else:
         if args.model and not args.draft:
             raise UsageError("spec needs --draft (the draft model)")
@@ -643,7 +742,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows: List[dict] = []
     error, status = None, 0
     try:
-        {"load": run_load, "spec": run_spec, "save": run_save}[args.mode](args, rows)
+        {"load": run_load, "spec": run_spec, "save": run_save, "memory": run_memory}[args.mode](args, rows)
     except UsageError as exc:
         error, status = str(exc), 2
     except (HeadInferError, OSError) as exc:
@@ -651,7 +750,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         error, status = "interrupted", 130
     if rows:  # what was measured, also before an error
-        print({"load": load_table, "spec": spec_table, "save": save_table}[args.mode](rows))
+        print({"load": load_table, "spec": spec_table, "save": save_table, "memory": memory_table}[args.mode](rows))
         clients = " and ".join(sorted({"openai" if r["client"] == "openai" else "urllib" for r in rows}))
         print(f"\n({len(rows)} run(s); requests through {clients} (/v1/completions); "
               + ("times from llama-server's save_ms/restore_ms)" if args.mode == "save" else

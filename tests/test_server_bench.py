@@ -1,5 +1,6 @@
 """``scripts/server_bench.py`` (issue 14, item 6) on the real llama-server: the load mode on one
-and two slots (per-slot and unified KV) and the speculative mode with a model drafting for itself.
+and two slots (per-slot and unified KV), the speculative mode with a model drafting for itself, and
+the memory mode (two KV streams and a context shift).
 
 CPU, ``LLAMA_HEADINFER_FORCE_SPLIT=1`` (so the frac 0.5 servers split), the synthetic llama-gqa
 model, 48-token prompts and a few generated tokens: five short-lived servers, ~20 s on 2 cores.
@@ -78,6 +79,41 @@ def test_spec_mode_model_drafting_for_itself(bench, server_binary, gguf_models, 
         assert "split" in r["split"]
     assert spec["texts"] == plain["texts"]  # greedy speculative decoding changes no token
     assert "| 0.5 | 4 |" in table and "| 0.5 | none |" in table
+
+
+def test_memory_mode_two_streams_and_a_context_shift(bench, server_binary, gguf_models, tmp_path, monkeypatch,
+                                                     capsys):
+    """memory: two slots with one KV stream each, attending in chunks, then slot 0 generating past the end of its
+    context: the server shifts it (its log says so) and each row has plan's estimate for the same context. A CPU
+    build has no device buffers to report (the GPU's are docs/BENCHMARKS.md's)."""
+    monkeypatch.setenv(FORCE_SPLIT, "1")
+    out = tmp_path / "rows.json"
+    rc = bench.main(["memory", "--model", str(gguf_models["llama-gqa"]), "--server", str(server_binary), "--frac",
+                     "1,0.5", "--slots", "2", "--ctx", "512", "--prompt-tokens", "300", "--max-tokens", "4", "-t",
+                     "1", "--json", str(out), "--server-log", str(tmp_path / "server.log"), "--", "--no-warmup",
+                     "--headinfer-attn", "chunked", "--headinfer-attn-chunk", "256"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["frac"], r["slots"], r["ctx_per_slot"]) for r in rows] == [(1.0, 2, 512), (0.5, 2, 512)]
+    assert all(r["shifts"] >= 1 and r["compute_mib"] == {} and not r["staging_grew"] for r in rows), rows
+    assert rows[0]["plan_arena_mib"] == 0 < rows[1]["plan_arena_mib"], rows
+    assert "| 0.5 | 2 x 512 |" in captured.out
+
+
+def test_memory_figures_read_the_buffers_before_and_what_grew_after(bench):
+    log = ("sched_reserve:      CUDA0 compute buffer size =   812.50 MiB\n"
+           "sched_reserve:        CPU compute buffer size =    20.00 MiB\n"
+           "ggml_backend_sched_alloc_streams: CUDA0 staging buffer from 0.00 MiB to 24.02 MiB: 3 slots of 8396800 "
+           "bytes (group #2 of 40, graph of 900 nodes)\n")
+    mark = len(log)
+    log += ("slot context shift, n_keep = 0, n_left = 32766, n_discard = 16383\n"
+            "ggml_backend_sched_alloc_streams: CUDA0 staging buffer from 24.02 MiB to 48.00 MiB: 3 slots of 16777216 "
+            "bytes (group #1 of 9, graph of 29 nodes)\n"
+            "ggml_gallocr_reserve_n: reallocating CUDA0 buffer from size 812.50 MiB to 900.00 MiB\n")
+    figures = bench.memory_figures(log, mark)
+    assert figures["compute_mib"] == {"CUDA0": 812.5} and figures["staging_mib"] == {"CUDA0": 24.02}
+    assert figures["shifts"] == 1 and len(figures["staging_grew"]) == 1 and len(figures["compute_grew"]) == 1
 
 
 def test_usage_errors_are_one_line(bench, gguf_models, tmp_path, capsys):
