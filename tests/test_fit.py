@@ -9,7 +9,8 @@ which RPC devices otherwise do not); ``--fit-target`` leaves it ``room`` MiB; th
 heads) at a 128K context, whose 1 GiB KV cache does not fit. The rooms are not hard-coded: they are placed halfway
 between the device totals llama-fit-params --fit-print reports for the configurations that must and must not fit,
 so a few MiB of drift in the machine's free memory between two calls changes no decision. ``--fit-bandwidth`` fixes
-the speed model's bandwidths, so the decision does not depend on this machine's.
+the speed model's bandwidths, so the decision does not depend on this machine's. One test makes the same choice for a
+real quantized GQA model (SmolLM2-135M-Instruct Q4_1, 3 KV heads per layer).
 """
 
 from __future__ import annotations
@@ -49,18 +50,19 @@ def rpc_endpoint(rpc_build):
         yield endpoints[0]
 
 
-def fit_params(rpc_build: Path, endpoint: str, model: Path, *args: str, split: bool = True) -> subprocess.CompletedProcess:
+def fit_params(rpc_build: Path, endpoint: str, model: Path, *args: str, split: bool = True,
+               n_ctx: int = N_CTX) -> subprocess.CompletedProcess:
     """llama-fit-params on the RPC device, with the split forced on unless ``split`` is False (llama.cpp's default log
     level)."""
     env = dict(os.environ, **{FORCE_SPLIT: "1"}) if split else {k: v for k, v in os.environ.items() if k != FORCE_SPLIT}
-    argv = [str(rpc_build / "bin" / "llama-fit-params"), "-m", str(model), "--rpc", endpoint, "-c", str(N_CTX),
+    argv = [str(rpc_build / "bin" / "llama-fit-params"), "-m", str(model), "--rpc", endpoint, "-c", str(n_ctx),
             "-fa", "on", *args]
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
 
 
-def device_total_mib(rpc_build: Path, endpoint: str, model: Path, *args: str) -> int:
+def device_total_mib(rpc_build: Path, endpoint: str, model: Path, *args: str, n_ctx: int = N_CTX) -> int:
     """The RPC device's model + context + compute MiB for an explicit configuration (llama-fit-params --fit-print)."""
-    run = fit_params(rpc_build, endpoint, model, "--fit-print", "on", "-ngl", "99", *args)
+    run = fit_params(rpc_build, endpoint, model, "--fit-print", "on", "-ngl", "99", *args, n_ctx=n_ctx)
     assert run.returncode == 0, run.stderr[-2000:]
     row = next(line.split() for line in run.stdout.splitlines() if line.startswith("RPC0"))
     return sum(int(x) for x in row[1:4])
@@ -73,8 +75,9 @@ def free_mib() -> int:
     return device_free_bytes(["CPU"]) // MiB
 
 
-def fit_with_room(rpc_build, endpoint, model, room_mib: int, *args: str, split: bool = True) -> subprocess.CompletedProcess:
-    return fit_params(rpc_build, endpoint, model, "-fitt", str(free_mib() - room_mib), *args, split=split)
+def fit_with_room(rpc_build, endpoint, model, room_mib: int, *args: str, split: bool = True,
+                  n_ctx: int = N_CTX) -> subprocess.CompletedProcess:
+    return fit_params(rpc_build, endpoint, model, "-fitt", str(free_mib() - room_mib), *args, split=split, n_ctx=n_ctx)
 
 
 def fitted_args(run: subprocess.CompletedProcess) -> str:
@@ -105,6 +108,22 @@ def test_fit_keeps_every_layer_on_the_device_when_the_split_is_predicted_faster(
                    run.stderr)
     assert kv and 4 * int(kv.group(1)) == int(kv.group(2)) == 1024, run.stderr[-2000:]
     assert re.search(r"rejected \d+ of 9 layers on the device", run.stderr)
+
+
+def test_fit_splits_a_real_quantized_gqa_model(rpc_build, rpc_endpoint, smollm2):
+    """The same choice for a real model: SmolLM2-135M-Instruct Q4_1 (30 layers of 3 KV heads of 64, quantized
+    weights) at 16384 cells, 360 MiB of F16 KV. With room for one of its 3 KV heads per layer on the device and not
+    two, fit keeps every layer there with one head (a third of the KV) when the split is predicted faster."""
+    n_ctx = 16384
+    one, two = (device_total_mib(rpc_build, rpc_endpoint, smollm2, "-hgf", frac, n_ctx=n_ctx) for frac in ("0.34", "0.67"))
+    assert one + 64 < two, (one, two)
+    run = fit_with_room(rpc_build, rpc_endpoint, smollm2, (one + two) // 2, "--fit-bandwidth", FAVOURS_SPLIT,
+                        n_ctx=n_ctx)
+    args = fitted_args(run)
+    assert re.fullmatch(rf"-c {n_ctx} -ngl -1 -hgf [0-9.]+", args), args
+    assert round(float(args.split()[-1]) * 3) == 1, args
+    kv = re.search(r"chose every layer on the device, (\d+) of (\d+) MiB of KV in device memory", run.stderr)
+    assert kv and 3 * int(kv.group(1)) == int(kv.group(2)) == 360, run.stderr[-2000:]
 
 
 def test_fit_moves_layers_when_the_link_is_predicted_slower(rpc_build, rpc_endpoint, fit_model, totals):
