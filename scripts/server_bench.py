@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import socket
 import re
@@ -438,7 +439,12 @@ def run_memory(args, rows: List[dict]) -> None:
     n = args.slot_counts[-1]
     for frac in args.fracs:
         label = f"memory: {n} slot(s), one stream each, frac {frac:g}"
-        log_path = Path(args.server_log) if args.server_log else Path(tempfile.mkstemp(suffix=".log")[1])
+        if args.server_log:
+            log_path = Path(args.server_log)
+        else:
+            fd, name = tempfile.mkstemp(suffix=".log")
+            os.close(fd)
+            log_path = Path(name)
         start = log_path.stat().st_size if log_path.exists() else 0
         extra = ["-np", str(n), "-c", str(args.ctx * n), "--no-kv-unified", "--context-shift", "-lv", "5",
                  "--no-cache-idle-slots", *_common_server_args(args), *args.server_args]
@@ -452,12 +458,14 @@ def run_memory(args, rows: List[dict]) -> None:
                 # slot 0 generates past the end of its context: the server shifts it once at least
                 client.completion(prompts[0], args.ctx - args.prompt_tokens + 64,
                                   {"id_slot": 0, "cache_prompt": True, "ignore_eos": True})
+            data = log_path.read_bytes()
         finally:
             args.server_log = saved
-        text = log_path.read_text(encoding="utf-8", errors="replace")[start:]
-        figures = memory_figures(text, mark - start)
-        if not args.server_log:
-            log_path.unlink()
+            if not saved:
+                log_path.unlink(missing_ok=True)
+        # this server's lines, and where the shift's request began in them (offsets in bytes, then in characters)
+        figures = memory_figures(data[start:].decode("utf-8", "replace"),
+                                 len(data[start:mark].decode("utf-8", "replace")))
         if figures["shifts"] == 0:
             raise BenchError(f"{label}: the server logged no context shift")
         params = ContextParams(n_ctx=args.ctx * n, n_seq_max=n, kv_unified=False, flash_attn=True,
