@@ -468,26 +468,15 @@ def run_memory(args, rows: List[dict]) -> None:
                                  len(data[start:mark].decode("utf-8", "replace")))
         if figures["shifts"] == 0:
             raise BenchError(f"{label}: the server logged no context shift")
-        params = ContextParams(n_ctx=args.ctx * n, n_seq_max=n, kv_unified=False, flash_attn=True,
-                               **_plan_settings(args.server_args))
+        # the context this server was started with, as `serve` reads llama-server's arguments (its defaults too)
+        type_k, type_v = serve_cli.server_kv_types(extra)
+        params = ContextParams(**serve_cli.server_context_fields(extra, n_ctx_train=args.ctx * n),
+                               type_k=type_k or "f16", type_v=type_v or "f16")
         row_plan = plan_kv(args.model, params).row_for_frac(frac)
         rows.append({"frac": frac, "slots": n, "ctx_per_slot": args.ctx, "split": running.split, "client": client.kind,
                      **figures,
                      "plan_compute_mib": row_plan.compute / 2**20, "plan_arena_mib": row_plan.arena / 2**20,
                      "decode_tok_s": result["agg_tok_s"]})
-
-
-def _plan_settings(server_args: Sequence[str]) -> dict:
-    """The ContextParams fields that the llama-server arguments set and ``plan`` reads."""
-    settings = {}
-    for names, key, conv in ((("-b", "--batch-size"), "n_batch", int), (("-ub", "--ubatch-size"), "n_ubatch", int),
-                             (("-ctk", "--cache-type-k"), "type_k", str), (("-ctv", "--cache-type-v"), "type_v", str),
-                             (("--headinfer-attn",), "headinfer_attn", str),
-                             (("--headinfer-attn-chunk",), "headinfer_attn_chunk", int)):
-        value = serve_cli._option_value(server_args, names)
-        if value is not None:
-            settings[key] = conv(value)
-    return settings
 
 
 def run_spec(args, rows: List[dict]) -> None:

@@ -166,6 +166,24 @@ def _server_slots(extra: Sequence[str]) -> Tuple[int, bool]:
     return n_parallel, any(w in ("-kvu", "--kv-unified") for w in extra)
 
 
+def server_context_fields(extra: Sequence[str], n_ctx_train: int) -> dict:
+    """The :class:`ContextParams` fields of a llama-server started with the arguments ``extra``, as ``plan`` reads
+    them, with llama-server's defaults: the context (``-c``; 0 or absent: ``n_ctx_train``), the slots and their KV
+    layout (``-np``, ``-kvu``), the batch sizes (``-b``, ``-ub``) and the attention mode. Not the KV types
+    (:func:`server_kv_types`), which ``--vram-budget`` may choose. UsageError for a non-integer value."""
+    n_parallel, unified = _server_slots(extra)
+    batch = _int_option(extra, "batch", 2048)
+    return dict(n_ctx=_int_option(extra, "ctx", 0) or n_ctx_train, n_seq_max=n_parallel, kv_unified=unified,
+                n_batch=batch, n_ubatch=_int_option(extra, "ubatch", min(batch, 512)),
+                headinfer_attn=_option_value(extra, _PASSTHROUGH_VALUES["attn"]) or "joined",
+                headinfer_attn_chunk=_int_option(extra, "attn_chunk", 0))
+
+
+def server_kv_types(extra: Sequence[str]) -> Tuple[Optional[str], Optional[str]]:
+    """``(-ctk, -ctv)`` of llama-server's arguments ``extra``, None where not given."""
+    return _option_value(extra, _PASSTHROUGH_VALUES["type_k"]), _option_value(extra, _PASSTHROUGH_VALUES["type_v"])
+
+
 def server_command(model, *, frac: Optional[float], vram_budget, margin, host: str, port: int,
                    extra: Sequence[str], server: Optional[Path] = None, backend: Optional[str] = None,
                    allow_quantized_kv: bool = False) -> ServerCommand:
@@ -220,20 +238,14 @@ def _frac_for_server(model: Path, vram_budget, margin, extra: Sequence[str], all
     fraction), or with ``allow_quantized_kv`` the fastest of all (e.g. q8_0 whole)."""
     info = read_model_info(model)
     margin = 0 if str(margin).strip() in ("", "0") else margin
-    n_parallel, unified = _server_slots(extra)
-    n_ctx = _int_option(extra, "ctx", 0) or info.n_ctx_train
-    batch = _int_option(extra, "batch", 2048)
-    type_k = _option_value(extra, _PASSTHROUGH_VALUES["type_k"])
-    type_v = _option_value(extra, _PASSTHROUGH_VALUES["type_v"])
+    fields = server_context_fields(extra, info.n_ctx_train)
+    n_ctx, n_parallel = fields["n_ctx"], fields["n_seq_max"]
+    type_k, type_v = server_kv_types(extra)
     given = type_k is not None or type_v is not None
     types = [(type_k or "f16")] if given else ["f16", "q8_0", "q4_0"]
     try:
         # the attention mode changes what a split layer needs on the device (in chunks: one chunk, not the layer)
-        params = ContextParams(n_ctx=n_ctx, n_seq_max=n_parallel, kv_unified=unified, n_batch=batch,
-                               n_ubatch=_int_option(extra, "ubatch", min(batch, 512)),
-                               headinfer_vram_budget=vram_budget,
-                               headinfer_attn=_option_value(extra, _PASSTHROUGH_VALUES["attn"]) or "joined",
-                               headinfer_attn_chunk=_int_option(extra, "attn_chunk", 0))
+        params = ContextParams(**fields, headinfer_vram_budget=vram_budget)
         ranking = rank_options(info, params, types=types, n_gpu_layers=_int_option(extra, "ngl", -1), margin=margin)
     except (PlanError, ValueError) as exc:
         raise UsageError(f"--vram-budget: {exc}") from None
