@@ -2,6 +2,7 @@
 # The GPU checks and measurements of the series, on a machine without network (the device tool's GPU), in parts that
 # each fit one call of at most 10 minutes:
 #
+#   scripts/gpu_session.sh OUTDIR first   # the three builds below, this series first, then its checks (below)
 #   scripts/gpu_session.sh OUTDIR build   # CUDA builds, at once: this series (tools, tests, bindings), the series
 #                                         # before it (tools) and the pin itself (test-backend-ops), sm_90; a
 #                                         # second call resumes what the first's limit stopped
@@ -22,8 +23,8 @@
 # Builds go to build/cuda-new, build/cuda-old and build/cuda-pin.
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR build|quick|checks|perf|decode|fit|tools|serve}
-part=${2:?usage: $0 OUTDIR build|quick|checks|perf|decode|fit|tools|serve}
+out=${1:?usage: $0 OUTDIR first|build|quick|checks|perf|decode|fit|tools|serve}
+part=${2:?usage: $0 OUTDIR first|build|quick|checks|perf|decode|fit|tools|serve}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -51,22 +52,35 @@ build_variant() {  # variant, series directory, then build options: the project'
     echo "build exit $?" >> "$out/build-$v.log"
 }
 
+build_pin() {  # jobs: the pin itself, plain CMake with the flags that matter to the kernels (those of the project's
+              # build), ggml and test-backend-ops only
+    { time timeout "${HI_BUILD_TIMEOUT:-560}" bash -c "cmake -S '$(tree pin)' -B build/cuda-pin -G Ninja \
+        -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > /dev/null && ninja -C build/cuda-pin -j $1 test-backend-ops"; } \
+        > "$out/build-pin.log" 2>&1
+    echo "build exit $?" >> "$out/build-pin.log"
+}
+
 bench_model() {  # the 8B-shaped benchmark model (random weights; scripts/make_bench_model.py), once per machine
     [ -f "$model" ] || python3 scripts/make_bench_model.py --out "$model"
 }
 
 case $part in
+first)  # the three builds at once, this series with most cores; its checks as soon as it is built, while the
+        # other two go on (a later call's `build` resumes what the limit stopped)
+    build_variant old "$root/.gpu-carry/old-series" --tools --no-bindings -j 4 &
+    build_pin 2 &
+    build_variant new "$root/patches/b11312" --tools -j 10 -DLLAMA_BUILD_TESTS=ON
+    { time timeout 300 ninja -C build/cuda-new test-backend-ops test-backend-sched test-llama-archs; } >> "$out/build-new.log" 2>&1
+    echo "tests build exit $?" >> "$out/build-new.log"
+    "$0" "$out" checks
+    wait
+    ;;
 build)  # all three at once (a call that stops at its limit leaves them to the next one, which resumes them)
     build_variant new "$root/patches/b11312" --tools -j 8 -DLLAMA_BUILD_TESTS=ON &
     build_variant old "$root/.gpu-carry/old-series" --tools --no-bindings -j 5 &
-    # the pin: plain CMake with the flags that matter to the kernels (those of the project's build), ggml and
-    # test-backend-ops only
-    { time timeout "${HI_BUILD_TIMEOUT:-560}" bash -c "cmake -S '$(tree pin)' -B build/cuda-pin -G Ninja \
-        -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-        -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > /dev/null && ninja -C build/cuda-pin -j 3 test-backend-ops"; } \
-        > "$out/build-pin.log" 2>&1
-    echo "build exit $?" >> "$out/build-pin.log"
+    build_pin 3
     wait
     { time timeout 300 ninja -C build/cuda-new test-backend-ops test-backend-sched test-llama-archs; } >> "$out/build-new.log" 2>&1
     echo "tests build exit $?" >> "$out/build-new.log"
@@ -82,23 +96,25 @@ quick)  # this series alone (-j 16), then the checks of the log-sum-exp attentio
         --scenarios greedy,state,shift,streams,full; } > "$out/gpu_check_chunked.txt" 2>&1
     echo "gpu_check exit $?" >> "$out/gpu_check_chunked.txt"
     ;;
-checks)
+checks)  # the checks never run on a GPU before first, then the rest
     tbo=build/cuda-new/bin/test-backend-ops
-    for op in SET_ROWS CONCAT CPY FLASH_ATTN_EXT_LSE FLASH_ATTN_EXT; do
-        { echo "== test-backend-ops -o $op -b CUDA0"
-          timeout 200 "$tbo" -o "$op" -b CUDA0 2>&1 | grep -E "FAIL|tests passed|Backend CUDA0"
+    tbo_op() {
+        { echo "== test-backend-ops -o $1 -b CUDA0"
+          timeout 200 "$tbo" -o "$1" -b CUDA0 2>&1 | grep -E "FAIL|tests passed|Backend CUDA0"
           echo "exit ${PIPESTATUS[0]}"; } >> "$out/test_backend_ops.txt"
-    done
+    }
+    tbo_op FLASH_ATTN_EXT_LSE
+    export PYLLAMA_HEADINFER_BUILD_DIR=$root/build/cuda-new
+    { time env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --attn chunked --attn-chunk 256 \
+        --scenarios greedy,state,shift,streams,full; } > "$out/gpu_check_chunked.txt" 2>&1
+    echo "gpu_check exit $?" >> "$out/gpu_check_chunked.txt"
+    { time env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check_joined.txt" 2>&1
+    echo "gpu_check exit $?" >> "$out/gpu_check_joined.txt"
     { time build/cuda-new/bin/test-backend-sched; } > "$out/test_backend_sched.txt" 2>&1
     echo "test-backend-sched exit $?" >> "$out/test_backend_sched.txt"
     build/cuda-new/bin/test-llama-archs -a llama > "$out/test_llama_archs.txt" 2>&1
     echo "test-llama-archs exit $?" >> "$out/test_llama_archs.txt"
-    export PYLLAMA_HEADINFER_BUILD_DIR=$root/build/cuda-new
-    { time env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check_joined.txt" 2>&1
-    echo "gpu_check exit $?" >> "$out/gpu_check_joined.txt"
-    { time env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --attn chunked --attn-chunk 256 \
-        --scenarios greedy,state,shift,streams,full; } > "$out/gpu_check_chunked.txt" 2>&1
-    echo "gpu_check exit $?" >> "$out/gpu_check_chunked.txt"
+    for op in SET_ROWS CONCAT CPY FLASH_ATTN_EXT; do tbo_op "$op"; done
     ;;
 perf)
     # plain flash attention, decode and prefill shapes of an 8B-shaped model's heads: the series must not change it
@@ -126,14 +142,14 @@ tools)
     ;;
 fit)
     bench_model > "$out/model.log" 2>&1
-    { time python3 scripts/fit_table.py --bin build/cuda-new/bin --model "$model" \
+    { time python3 -u scripts/fit_table.py --bin build/cuda-new/bin --model "$model" \
         --rows "${HI_FIT_ROWS:-32768:8,131072:12,131072:16}" --log-dir "$out/fit-logs"; } > "$out/fit_table.md" 2>&1
     echo "fit_table exit $?" >> "$out/fit_table.md"
     ;;
 serve)
     bench_model > "$out/model.log" 2>&1
     export PYLLAMA_HEADINFER_BUILD_DIR=$root/build/cuda-new
-    { time python3 scripts/server_bench.py memory --model "$model" --frac 1,0.5 --slots 4 --ctx 32768 \
+    { time python3 -u scripts/server_bench.py memory --model "$model" --frac 1,0.5 --slots 4 --ctx 32768 \
         --prompt-tokens 32000 --max-tokens 16 --ngl 99 --client http --json "$out/server_memory.json" \
         -- --headinfer-attn chunked; } > "$out/server_memory.md" 2>&1
     echo "server_bench exit $?" >> "$out/server_memory.md"
