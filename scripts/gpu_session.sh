@@ -2,7 +2,7 @@
 # The GPU checks and measurements of the series, on a machine without network (the device tool's GPU), in parts that
 # each fit one call of at most 10 minutes:
 #
-#   scripts/gpu_session.sh OUTDIR first   # the three builds below, this series first, then its checks (below)
+#   scripts/gpu_session.sh OUTDIR first   # this series' build (-j 16), `checks` but for the long op suites, `serve`
 #   scripts/gpu_session.sh OUTDIR build   # CUDA builds, at once: this series (tools, tests, bindings), the series
 #                                         # before it (tools) and the pin itself (test-backend-ops), sm_90; a
 #                                         # second call resumes what the first's limit stopped
@@ -67,15 +67,13 @@ bench_model() {  # the 8B-shaped benchmark model (random weights; scripts/make_b
 }
 
 case $part in
-first)  # the three builds at once, this series with most cores; its checks as soon as it is built, while the
-        # other two go on (a later call's `build` resumes what the limit stopped)
-    build_variant old "$root/.gpu-carry/old-series" --tools --no-bindings -j 4 &
-    build_pin 2 &
-    build_variant new "$root/patches/b11312" --tools -j 10 -DLLAMA_BUILD_TESTS=ON
+first)  # this series alone (-j 16), its checks, then the llama-server memory run (`serve`): the most a GPU call
+        # gives when only one or two can be had
+    build_variant new "$root/patches/b11312" --tools -j 16 -DLLAMA_BUILD_TESTS=ON
     { time timeout 300 ninja -C build/cuda-new test-backend-ops test-backend-sched test-llama-archs; } >> "$out/build-new.log" 2>&1
     echo "tests build exit $?" >> "$out/build-new.log"
-    "$0" "$out" checks
-    wait
+    HI_CHECK_OPS="FLASH_ATTN_EXT_LSE" "$0" "$out" checks
+    "$0" "$out" serve
     ;;
 build)  # all three at once (a call that stops at its limit leaves them to the next one, which resumes them)
     build_variant new "$root/patches/b11312" --tools -j 8 -DLLAMA_BUILD_TESTS=ON &
@@ -114,7 +112,7 @@ checks)  # the checks never run on a GPU before first, then the rest
     echo "test-backend-sched exit $?" >> "$out/test_backend_sched.txt"
     build/cuda-new/bin/test-llama-archs -a llama > "$out/test_llama_archs.txt" 2>&1
     echo "test-llama-archs exit $?" >> "$out/test_llama_archs.txt"
-    for op in SET_ROWS CONCAT CPY FLASH_ATTN_EXT; do tbo_op "$op"; done
+    for op in ${HI_CHECK_OPS-SET_ROWS CONCAT CPY FLASH_ATTN_EXT}; do [ "$op" = FLASH_ATTN_EXT_LSE ] || tbo_op "$op"; done
     ;;
 perf)
     # plain flash attention, decode and prefill shapes of an 8B-shaped model's heads: the series must not change it
