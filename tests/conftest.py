@@ -346,17 +346,17 @@ def server_binary(built) -> Path:
 
 @pytest.fixture(scope="session")
 def rpc_build(built) -> Path:
-    """The patched llama.cpp with the RPC backend and llama-bench and llama-fit-params, in the cache (built if missing
-    or stale): a machine without a GPU gets offload devices from local RPC servers (test_multi_device.py, test_fit.py).
+    """The patched llama.cpp with the RPC backend and its tools, in the cache (built if missing or stale): a machine
+    without a GPU gets offload devices from local RPC servers (test_multi_device.py, test_fit.py, test_serve.py).
 
     One directory per pin (cpu-rpc, cpu-b11549-rpc: build's own name for the pin's CPU build), never in the checkout;
-    without llama-server (-DLLAMA_BUILD_SERVER=OFF, which drops llama-cli too): ~4 min on 2 cores the first time,
-    incremental afterwards."""
+    ~6 min on 2 cores the first time, incremental afterwards."""
     from pyllama_headinfer.build.plan import config_key
 
     directory = paths.cache_dir() / "test-builds" / f"{config_key()}-rpc"
     run = subprocess.run([sys.executable, "-m", "pyllama_headinfer", "build", "--build-dir", str(directory),
-                          "-DGGML_RPC=ON", "--tools", "-DLLAMA_BUILD_SERVER=OFF"], cwd=ROOT, capture_output=True,
+                          # the server named: a directory built without it keeps that in its CMake cache
+                          "-DGGML_RPC=ON", "--tools", "-DLLAMA_BUILD_SERVER=ON"], cwd=ROOT, capture_output=True,
                          text=True)
     assert run.returncode == 0, f"the RPC build failed:\n{run.stderr[-3000:]}"
     assert paths.project_root() not in directory.parents  # the checkout stays clean

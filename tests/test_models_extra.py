@@ -91,3 +91,18 @@ def test_llama_cpp_runs_them(llama, extra_paths, name):
             assert report is None  # hybrid / recurrent memory: not a plain attention KV cache
         else:
             assert [x["n_head_kv"] for x in report["layers"]] == [1] * spec.n_layer
+
+
+def test_the_draft_models_are_deterministic_and_small(tmp_path):
+    """The gemma4 target and its assistant (test_serve.py's shared-cache drafts): the same bytes from every writer,
+    the assistant sized to read the target's KV heads."""
+    import gguf
+
+    paths = tm.ensure_draft_models(tmp_path / "cache")
+    for name, spec in tm.DRAFT_SPECS.items():
+        again = tm.write_extra_model(spec, tmp_path / f"{name}-again.gguf")
+        assert sha256(again) == sha256(paths[name]) and paths[name].stat().st_size < 32 * 2**20
+    assistant = gguf.GGUFReader(str(paths["gemma4-assistant"])).fields
+    target = tm.DRAFT_SPECS["gemma4-iswa"]
+    assert assistant["gemma4-assistant.attention.head_count_kv"].contents() == target.n_head_kv
+    assert assistant["gemma4-assistant.embedding_length_out"].contents() == target.n_embd

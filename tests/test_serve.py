@@ -288,6 +288,80 @@ def test_draft_model_keeps_its_kv_whole(server_binary, gguf_models, tmp_path):
     assert len(lines["draft"]) == len(lines["plain"]) >= 1, lines  # no second split line: the draft's context
 
 
+def assistant_drafts(binary, models, frac, tmp_path, extra=(), env=None) -> dict:
+    """One greedy completion of the gemma4 test model split at ``frac`` with its Gemma 4 assistant drafting from the
+    target's KV cache (multi-token prediction, a draft context with ``ctx_other``): the tokens, the draft candidates
+    the server logged at each draft step (token ids and probabilities: the draft model's output over the shared
+    cache), the server's timings and the lines where the caches say what they split and share."""
+    log = tmp_path / f"server-{frac}.log"
+    command = serve_cli.server_command(
+        models["gemma4-iswa"], frac=frac, vram_budget=None, margin="0", host="127.0.0.1", port=free_port(),
+        extra=["-c", "512", "-np", "1", "-t", "2", "--no-warmup", "-md", str(models["gemma4-assistant"]),
+               "--spec-type", "draft-mtp", "-v", *extra], server=binary)
+    with open(log, "w", encoding="utf-8") as echo:
+        proc, _ = serve_cli.start_server(command, echo=echo, timeout=120, env=dict(env or os.environ, **{FORCE_SPLIT: "1"}))
+        try:
+            request = urllib.request.Request(command.url + "/completion", headers={"Content-Type": "application/json"},
+                                             data=json.dumps({"prompt": PROMPT, "n_predict": 24, "temperature": 0,
+                                                              "return_tokens": True}).encode())
+            with urllib.request.urlopen(request, timeout=120) as response:
+                answer = json.loads(response.read())
+        finally:
+            assert serve_cli.stop_server(proc) == 0
+    lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    return {"tokens": answer["tokens"], "timings": answer["timings"],
+            # "0.01.234.567 D spec        draft:  - seq_id 0, draft candidate   0, pos   0:  506 (0.229) ' ke'"
+            "candidates": [line.split(" - ", 1)[1] for line in lines if "draft candidate" in line],
+            "split": [line for line in lines if "headinfer: gpu_heads_frac" in line],
+            "shared": [line for line in lines if "sharing with layer" in line]}
+
+
+@pytest.fixture(scope="module")
+def draft_models(request, tmp_path_factory) -> dict:
+    import testing_models
+
+    cache = getattr(request.config, "cache", None)
+    directory = Path(cache.mkdir("pyllama-headinfer-test-models")) if cache is not None \
+        else tmp_path_factory.mktemp("draft-models")
+    return testing_models.ensure_draft_models(directory)
+
+
+def test_an_assistant_reading_the_targets_split_cache_drafts_as_over_a_whole_one(server_binary, draft_models,
+                                                                                  tmp_path):
+    """A draft context that shares the target's KV cache (Gemma 4's assistant: llama-server -md with draft-mtp) reads
+    the target's host heads: every draft candidate, token and probability, is the one drafted over the whole cache."""
+    got = {frac: assistant_drafts(server_binary, draft_models, frac, tmp_path) for frac in (1.0, 0.5)}
+    split, whole = got[0.5], got[1.0]
+    assert len(split["candidates"]) >= 24, split["candidates"]  # three candidates a draft step, a step a token
+    assert split["candidates"] == whole["candidates"]
+    assert split["tokens"] == whole["tokens"]
+    assert split["timings"]["draft_n"] == whole["timings"]["draft_n"]
+    # the target split every layer of both its caches; the assistant reads the target's layers 3 and 4
+    assert any("5 of 5 layers split" in line for line in split["split"]), split["split"]
+    assert not any("layers split" in line for line in whole["split"]), whole["split"]
+    assert [line.split("sharing ", 1)[1].split(".")[0] for line in split["shared"]] == \
+        ["with layer 4", "with layer 3"], split["shared"]
+
+
+def test_an_assistant_reading_a_streamed_split_cache_drafts_as_over_a_whole_one(rpc_build, draft_models, tmp_path):
+    """The same on an offload device (a local RPC server), where the target's host heads are streamed to the device:
+    the assistant's context reads them when its layer starts and never before (no prefetch), so it sees every row the
+    target just stored. With prefetch on in the assistant's context its draft candidates differ from the whole cache's
+    (a probability of 0.342 against 0.340 at the first draft step, measured with the prefetch forced on)."""
+    from testing_scripts import load_script
+
+    env = dict(os.environ, PYLLAMA_HEADINFER_BUILD_DIR=str(rpc_build))
+    with load_script("gpu_check").rpc_servers(1, env=env) as endpoints:
+        on_device = ["--rpc", endpoints[0], "-ngl", "99", "-ngld", "99", "-dev", "RPC0", "-devd", "RPC0"]
+        got = {frac: assistant_drafts(rpc_build / "bin" / serve_cli.SERVER, draft_models, frac, tmp_path,
+                                      extra=on_device, env=env) for frac in (1.0, 0.5)}
+    split, whole = got[0.5], got[1.0]
+    assert len(split["candidates"]) >= 24 and split["timings"]["draft_n"] > 0, split["timings"]
+    assert split["candidates"] == whole["candidates"]
+    assert split["tokens"] == whole["tokens"]
+    assert any("5 of 5 layers split" in line for line in split["split"]), split["split"]
+
+
 def test_serve_says_which_build_it_runs(server_binary, gguf_models, capsys):
     """`serve` runs the llama-server of the most recently finished build: it says which one, and why (issue 26)."""
     from pyllama_headinfer.cli import main as cli

@@ -11,6 +11,10 @@ by llama.cpp in well under a second on a CPU.
   F16 matrices (output not tied to the embeddings: with random weights a tied
   output just repeats the last token).
 
+``DRAFT_SPECS`` holds a ``gemma4`` target and its Gemma 4 assistant, the draft
+model that reads the target's KV cache (``ensure_draft_models``); ``EXTRA_SPECS``
+the models where the split must stay off.
+
 At the pin the tokenizer is independent of the architecture (``qwen2`` would
 load with an SPM vocab too); the qwen2 model uses a real byte-level BPE vocab
 with merges anyway so that both tokenizer families are exercised.
@@ -289,6 +293,25 @@ def with_layers(spec: ModelSpec, n_layer: int) -> ModelSpec:
     return replace(spec, name=f"{spec.name}-{n_layer}l", n_layer=n_layer)
 
 
+def _add_vocab(w, vocab: Vocab) -> None:
+    """The tokenizer's keys of ``vocab`` in the GGUF writer ``w``."""
+    w.add_tokenizer_model(vocab.model)
+    if vocab.pre:
+        w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(vocab.tokens)
+    if vocab.scores:
+        w.add_token_scores(vocab.scores)
+    w.add_token_types(vocab.types)
+    if vocab.merges:
+        w.add_token_merges(vocab.merges)
+    w.add_bos_token_id(vocab.bos)
+    w.add_eos_token_id(vocab.eos)
+    if vocab.unk is not None:
+        w.add_unk_token_id(vocab.unk)
+    w.add_add_bos_token(vocab.add_bos)
+    w.add_add_eos_token(False)
+
+
 def write_model(spec: ModelSpec, path: Path) -> Path:
     """Write ``spec`` as a GGUF file at ``path`` (atomically); return ``path``."""
     import gguf
@@ -331,28 +354,21 @@ def write_model(spec: ModelSpec, path: Path) -> Path:
     w.add_layer_norm_rms_eps(1e-6)
     if spec.sliding_window:
         w.add_sliding_window(spec.sliding_window)
-        w.add_sliding_window_pattern(spec.swa_pattern)
+        if spec.arch == "gemma4":  # one flag per layer: every swa_pattern-th layer is global
+            w.add_sliding_window_pattern([(i + 1) % spec.swa_pattern != 0 for i in range(spec.n_layer)])
+            w.add_key_length_swa(spec.head_dim)
+            w.add_value_length_swa(spec.head_dim)
+            w.add_embedding_length_per_layer_input(0)
+        else:
+            w.add_sliding_window_pattern(spec.swa_pattern)
         w.add_rope_freq_base_swa(10000.0)
 
-    w.add_tokenizer_model(vocab.model)
-    if vocab.pre:
-        w.add_tokenizer_pre(vocab.pre)
-    w.add_token_list(vocab.tokens)
-    if vocab.scores:
-        w.add_token_scores(vocab.scores)
-    w.add_token_types(vocab.types)
-    if vocab.merges:
-        w.add_token_merges(vocab.merges)
-    w.add_bos_token_id(vocab.bos)
-    w.add_eos_token_id(vocab.eos)
-    if vocab.unk is not None:
-        w.add_unk_token_id(vocab.unk)
-    w.add_add_bos_token(vocab.add_bos)
-    w.add_add_eos_token(False)
+    _add_vocab(w, vocab)
 
     # gemma scales the input embeddings by sqrt(n_embd): unit-variance rows
     # would drown the layers' contributions
-    emb_std = 1.0 / np.sqrt(spec.n_embd) if spec.arch == "gemma3" else 1.0
+    gemma = spec.arch in ("gemma3", "gemma4")
+    emb_std = 1.0 / np.sqrt(spec.n_embd) if gemma else 1.0
     w.add_tensor(_tensor_name(T.TOKEN_EMBD), (emb_std * rng.standard_normal((n_vocab, spec.n_embd))).astype(mat_dtype))
     w.add_tensor(_tensor_name(T.OUTPUT_NORM), norm(spec.n_embd))
     if not spec.tied_output:
@@ -368,7 +384,7 @@ def write_model(spec: ModelSpec, path: Path) -> Path:
             w.add_tensor(_tensor_name(T.ATTN_K, i, "bias"), bias(n_kv))
             w.add_tensor(_tensor_name(T.ATTN_V, i, "bias"), bias(n_kv))
         w.add_tensor(_tensor_name(T.ATTN_OUT, i), mat(spec.n_embd, n_q))
-        if spec.arch == "gemma3":
+        if gemma:
             w.add_tensor(_tensor_name(T.ATTN_Q_NORM, i), norm(spec.head_dim))
             w.add_tensor(_tensor_name(T.ATTN_K_NORM, i), norm(spec.head_dim))
             w.add_tensor(_tensor_name(T.ATTN_POST_NORM, i), norm(spec.n_embd))
@@ -377,6 +393,8 @@ def write_model(spec: ModelSpec, path: Path) -> Path:
         w.add_tensor(_tensor_name(T.FFN_GATE, i), mat(spec.n_ff, spec.n_embd))
         w.add_tensor(_tensor_name(T.FFN_UP, i), mat(spec.n_ff, spec.n_embd))
         w.add_tensor(_tensor_name(T.FFN_DOWN, i), mat(spec.n_embd, spec.n_ff))
+    if spec.arch == "gemma4":  # the global layers' proportional RoPE factors (one tensor, shared)
+        w.add_tensor(_tensor_name(T.ROPE_FREQS), np.ones(spec.head_dim // 2, dtype=np.float32))
 
     return finish_gguf(w, tmp, path)
 
@@ -467,6 +485,34 @@ EXTRA_SPECS: dict = {
         RecurrentSpec(name="jamba-hybrid", arch="jamba", n_layer=4, n_embd=256, n_vocab=512, n_ff=512,
                       attn_layers=(1, 3), n_head=4, n_head_kv=2, seed=1012),
         RecurrentSpec(name="mamba", arch="mamba", n_layer=2, n_embd=256, n_vocab=512, seed=1013),
+    )
+}
+
+
+# A target and the draft model that shares its KV cache (a context with ``ctx_other``): the target ``gemma4`` (layers
+# 0-3 sliding, 4 global; 4 KV heads of 64, every layer splits) and its Gemma 4 assistant, which attends to the
+# target's layers 3 and 4. Not in EXTRA_SPECS: the assistant runs only beside its target.
+@dataclass(frozen=True)
+class AssistantSpec(_GeneratedFile):
+    """A Gemma 4 assistant (``arch="gemma4-assistant"``, the draft model of multi-token prediction) for the
+    ``gemma4`` model ``target``: it has no KV cache of its own, its layers attend to the target's last sliding
+    (layer 0) and last global layer (layer 1), so it needs the target's head count and sizes; its input is the
+    target's token embedding joined with the target's last hidden state."""
+    name: str
+    target: str  # the name of its gemma4 ModelSpec in DRAFT_SPECS
+    n_embd: int
+    n_head: int
+    n_ff: int
+    seed: int = 1234
+
+
+DRAFT_SPECS: dict = {
+    s.name: s
+    for s in (
+        ModelSpec(name="gemma4-iswa", arch="gemma4", n_layer=5, n_embd=256, n_head=8, n_head_kv=4, head_dim=64,
+                  n_ff=512, tokenizer="spm", n_vocab=512, dtype="f16", sliding_window=16, swa_pattern=5,
+                  rope_freq_base=1000000.0, seed=1015),
+        AssistantSpec(name="gemma4-assistant", target="gemma4-iswa", n_embd=128, n_head=4, n_ff=256, seed=1016),
     )
 }
 
@@ -571,12 +617,83 @@ def write_recurrent_model(spec: RecurrentSpec, path: Path) -> Path:
     return finish_gguf(w, tmp, path)
 
 
+def write_assistant_model(spec: AssistantSpec, path: Path) -> Path:
+    """Write an :class:`AssistantSpec` as a GGUF file at ``path`` (atomically), F16 matrices."""
+    import gguf
+    from gguf import MODEL_TENSOR as T
+
+    target = DRAFT_SPECS[spec.target]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(spec.seed)
+    vocab = vocab_for(target)
+    hd = target.head_dim
+
+    def mat(n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((n_out, n_in)) * (gain / np.sqrt(n_in))).astype(np.float16)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), "gemma4-assistant")
+    w.add_name(f"pyllama-headinfer test model {spec.name}")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_context_length(target.n_ctx_train)
+    w.add_embedding_length(spec.n_embd)
+    w.add_embedding_length_out(target.n_embd)
+    w.add_block_count(2)
+    w.add_nextn_predict_layers(2)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(target.n_head_kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_key_length_swa(hd)
+    w.add_value_length_swa(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(target.rope_freq_base)
+    w.add_rope_freq_base_swa(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(target.sliding_window)
+    w.add_sliding_window_pattern([True, False])
+    _add_vocab(w, vocab)
+
+    w.add_tensor(_tensor_name(T.TOKEN_EMBD),
+                 (rng.standard_normal((len(vocab.tokens), spec.n_embd)) / np.sqrt(spec.n_embd)).astype(np.float16))
+    w.add_tensor(_tensor_name(T.OUTPUT_NORM), norm(spec.n_embd))
+    # llama.cpp's names (this gguf package has no constants for them)
+    w.add_tensor("nextn.pre_projection.weight", mat(spec.n_embd, 2 * target.n_embd))
+    w.add_tensor("nextn.post_projection.weight", mat(target.n_embd, spec.n_embd))
+    for i in range(2):
+        w.add_tensor(_tensor_name(T.ATTN_NORM, i), norm(spec.n_embd))
+        w.add_tensor(_tensor_name(T.ATTN_Q, i), mat(spec.n_head * hd, spec.n_embd, gain=2.0))
+        w.add_tensor(_tensor_name(T.ATTN_OUT, i), mat(spec.n_embd, spec.n_head * hd))
+        w.add_tensor(_tensor_name(T.ATTN_Q_NORM, i), norm(hd))
+        w.add_tensor(_tensor_name(T.ATTN_POST_NORM, i), norm(spec.n_embd))
+        w.add_tensor(_tensor_name(T.LAYER_OUT_SCALE, i), np.ones(1, dtype=np.float32))
+        w.add_tensor(_tensor_name(T.FFN_NORM, i), norm(spec.n_embd))
+        w.add_tensor(_tensor_name(T.FFN_GATE, i), mat(spec.n_ff, spec.n_embd))
+        w.add_tensor(_tensor_name(T.FFN_UP, i), mat(spec.n_ff, spec.n_embd))
+        w.add_tensor(_tensor_name(T.FFN_DOWN, i), mat(spec.n_embd, spec.n_ff))
+        w.add_tensor(_tensor_name(T.FFN_POST_NORM, i), norm(spec.n_embd))
+    w.add_tensor(_tensor_name(T.ROPE_FREQS), np.ones(hd // 2, dtype=np.float32))
+    return finish_gguf(w, tmp, path)
+
+
 def write_extra_model(spec, path: Path) -> Path:
     if isinstance(spec, RecurrentSpec):
         return write_recurrent_model(spec, path)
+    if isinstance(spec, AssistantSpec):
+        return write_assistant_model(spec, path)
     return write_model(spec, path)
 
 
 def ensure_extra_models(cache_dir: Path, names: Iterable[str] | None = None) -> dict[str, Path]:
     """Like :func:`ensure_test_models`, for :data:`EXTRA_SPECS`."""
     return _ensure_cached(EXTRA_SPECS, write_extra_model, cache_dir, names, "extra test model")
+
+
+def ensure_draft_models(cache_dir: Path) -> dict[str, Path]:
+    """Like :func:`ensure_test_models`, for :data:`DRAFT_SPECS`."""
+    return _ensure_cached(DRAFT_SPECS, write_extra_model, cache_dir, None, "draft test model")
