@@ -126,6 +126,34 @@ def test_fit_splits_a_real_quantized_gqa_model(rpc_build, rpc_endpoint, smollm2)
     assert kv and 3 * int(kv.group(1)) == int(kv.group(2)) == 360, run.stderr[-2000:]
 
 
+MOE_CTX = 32768
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> Path:
+    """8 layers of 8 experts, 1 used per token: 192 of its 198 MiB of weights are experts; 256 MiB of KV at MOE_CTX."""
+    spec = dataclasses.replace(with_layers(SPECS["llama-gqa"], 8), name="llama-moe", n_ff=2048, n_ctx_train=MOE_CTX)
+    return write_model(spec, tmp_path_factory.mktemp("fit") / f"{spec.name}.gguf", experts=(8, 1))
+
+
+def test_fit_counts_the_experts_a_token_reads(rpc_build, rpc_endpoint, moe_model):
+    """A token reads 1 of 8 experts, so fit's speed model counts that share of the experts' weights it would move to
+    system memory. Room for one of 4 KV heads per layer and not two; device 100, link 10, system memory 2 GB/s:
+    upstream's answer moves the experts of four layers to system memory (96 MiB, of which a token reads 12), predicted
+    faster than 192 MiB of host heads over the link. Counting all their bytes per token (as before) chose the split
+    (21.8 against 49.7 tokens/s predicted)."""
+    one, two = (device_total_mib(rpc_build, rpc_endpoint, moe_model, "-hgf", frac, n_ctx=MOE_CTX)
+                for frac in ("0.25", "0.5"))
+    assert one + 32 < two, (one, two)
+    run = fit_with_room(rpc_build, rpc_endpoint, moe_model, (one + two) // 2, "--fit-bandwidth", "100,10,2",
+                        n_ctx=MOE_CTX)
+    args = fitted_args(run)
+    assert re.fullmatch(rf'-c {MOE_CTX} -ngl 9 -ot "[^"]*exps=CPU[^"]*"', args), args
+    chosen = re.search(r"chose 9 of 9 layers on the device: ([0-9.]+) tokens/s predicted", run.stderr)
+    rejected = re.search(r"rejected every layer on the device, .*: ([0-9.]+) tokens/s predicted", run.stderr)
+    assert chosen and rejected and float(chosen.group(1)) > 2 * float(rejected.group(1)), run.stderr[-2000:]
+
+
 def test_fit_moves_layers_when_the_link_is_predicted_slower(rpc_build, rpc_endpoint, fit_model, totals):
     room = (totals["joined 1"] + totals["joined 2"]) // 2
     args = fitted_args(fit_with_room(rpc_build, rpc_endpoint, fit_model, room, "--fit-bandwidth", SLOW_LINK))

@@ -312,8 +312,10 @@ def _add_vocab(w, vocab: Vocab) -> None:
     w.add_add_eos_token(False)
 
 
-def write_model(spec: ModelSpec, path: Path) -> Path:
-    """Write ``spec`` as a GGUF file at ``path`` (atomically); return ``path``."""
+def write_model(spec: ModelSpec, path: Path, experts: tuple[int, int] | None = None) -> Path:
+    """Write ``spec`` as a GGUF file at ``path`` (atomically); return ``path``. ``experts`` (``llama`` only):
+    ``(n_expert, n_expert_used)``, a mixture of experts of ``n_ff`` each in every layer instead of its dense FFN
+    (not part of the spec: no cached file has them)."""
     import gguf
     from gguf import MODEL_TENSOR as T
 
@@ -345,6 +347,9 @@ def write_model(spec: ModelSpec, path: Path) -> Path:
     w.add_embedding_length(spec.n_embd)
     w.add_block_count(spec.n_layer)
     w.add_feed_forward_length(spec.n_ff)
+    if experts:
+        w.add_expert_count(experts[0])
+        w.add_expert_used_count(experts[1])
     w.add_head_count(spec.n_head)
     w.add_head_count_kv(spec.n_head_kv)
     w.add_key_length(spec.head_dim)
@@ -390,6 +395,12 @@ def write_model(spec: ModelSpec, path: Path) -> Path:
             w.add_tensor(_tensor_name(T.ATTN_POST_NORM, i), norm(spec.n_embd))
             w.add_tensor(_tensor_name(T.FFN_POST_NORM, i), norm(spec.n_embd))
         w.add_tensor(_tensor_name(T.FFN_NORM, i), norm(spec.n_embd))
+        if experts:
+            w.add_tensor(_tensor_name(T.FFN_GATE_INP, i), mat(experts[0], spec.n_embd))
+            for kind, n_out, n_in in ((T.FFN_GATE_EXP, spec.n_ff, spec.n_embd), (T.FFN_UP_EXP, spec.n_ff, spec.n_embd),
+                                      (T.FFN_DOWN_EXP, spec.n_embd, spec.n_ff)):
+                w.add_tensor(_tensor_name(kind, i), np.stack([mat(n_out, n_in) for _ in range(experts[0])]))
+            continue
         w.add_tensor(_tensor_name(T.FFN_GATE, i), mat(spec.n_ff, spec.n_embd))
         w.add_tensor(_tensor_name(T.FFN_UP, i), mat(spec.n_ff, spec.n_embd))
         w.add_tensor(_tensor_name(T.FFN_DOWN, i), mat(spec.n_embd, spec.n_ff))
