@@ -442,20 +442,24 @@ def test_several_sequences_in_chunks_stage_what_plan_predicts(rpc_build, gguf_mo
         assert mib[frac] <= plan.row_for_frac(frac).compute / 2**20, (frac, mib, plan.row_for_frac(frac).compute)
 
 
-# a context attending in chunks of 1024 cells, filled to 3000 cells, then shifted (K-shift) by 1000 positions: what
-# llama.cpp logged about the device's buffers while it shifted and decoded the next token
+# a context of argv[2] KV streams of 4096 cells (one per sequence) attending argv[3]ly (chunks of 1024 cells), each
+# sequence filled to 3000 cells, then sequence 0 shifted (K-shift) by 1000 positions: what llama.cpp logged about the
+# device's buffers while it reserved, then while it shifted and decoded the next token
 SHIFT_CHILD = r"""
 import sys
 sys.path.insert(0, "scripts")
 from gpu_check import rpc_servers
 from pyllama_headinfer.llama import Context, Model, rpc_add_server
 from pyllama_headinfer.runtime.log import capture_log
+n_seq, attn = int(sys.argv[2]), sys.argv[3]
 with rpc_servers(1) as endpoints, Model(sys.argv[1], n_gpu_layers=99, devices=rpc_add_server(endpoints[0])) as model:
     with capture_log() as reserve_log:
-        ctx = Context(model, n_ctx=4096, n_batch=512, n_ubatch=512, flash_attn=True, headinfer_gpu_heads_frac=0.5,
-                      headinfer_attn="chunked", headinfer_attn_chunk=1024)
+        chunk = {"headinfer_attn_chunk": 1024} if attn == "chunked" else {}
+        ctx = Context(model, n_ctx=4096 * n_seq, n_batch=512, n_ubatch=512, flash_attn=True, headinfer_gpu_heads_frac=0.5,
+                      headinfer_attn=attn, n_seq_max=n_seq, kv_unified=False, **chunk)
     with ctx:
-        ctx.decode([(7 * i) % 500 + 5 for i in range(3000)])
+        for seq in range(n_seq):
+            ctx.decode([(7 * i + seq) % 500 + 5 for i in range(3000)], seq_id=seq)
         ctx.seq_rm(0, 10, 1010)
         ctx.seq_add(0, 1010, -1, -1000)
         with capture_log() as log:
@@ -466,18 +470,34 @@ print("".join(text for _, text in log))
 """
 
 
+def shift_logs(rpc_build: Path, model: Path, n_seq: int, attn: str) -> tuple[str, str]:
+    """SHIFT_CHILD's (reserve, shift) logs."""
+    reserved, shift_log = run_split_child(rpc_build, SHIFT_CHILD, str(model), str(n_seq), attn).split("== shift")
+    assert "applying K-shift" in shift_log, shift_log
+    return reserved, shift_log
+
+
 def test_a_k_shift_in_chunks_stays_in_the_reserved_device_memory(rpc_build, gguf_models):
     """A context shift (K-shift) of a context that attends in chunks rotates the host heads one chunk of cells at a
     time: the scheduler stages one chunk of host K, as for the attention, and neither its staging buffer nor the
     compute buffer grows beyond what the context reserved. Shifted whole, the host K of a layer (4096 cells here) grew
     the staging buffer for the rest of the context. The shift's bits are frac 1.0's in chunks:
     test_layer_split_is_bit_exact_in_chunks (its shift scenario, K F16 and Q8_0)."""
-    out = run_split_child(rpc_build, SHIFT_CHILD, str(gguf_models["llama-gqa"]))
-    reserved, shift_log = out.split("== shift")
+    reserved, shift_log = shift_logs(rpc_build, gguf_models["llama-gqa"], 1, "chunked")
     # the reserve sized the staging buffer: three slots of one chunk's host K and V (1025 cells of 512 bytes)
     assert re.findall(r"staging buffer from [0-9.]+ MiB to [0-9.]+ MiB: 3 slots of (\d+) bytes", reserved) == \
-        [str(1025 * 512)], out
-    assert "applying K-shift" in shift_log, shift_log
+        [str(1025 * 512)], reserved
+    assert "staging buffer from" not in shift_log, shift_log
+    assert "reallocating" not in shift_log, shift_log
+
+
+def test_a_k_shift_of_one_of_four_kv_streams_stays_in_the_reserved_device_memory(rpc_build, gguf_models):
+    """Joined attention, 4 KV streams (one per sequence, no unified cache), sequence 0 shifted: the shift stages the
+    host K of the layer's streams, no more than the attention's reserved host K and V of the same cells (3 slots of
+    4 x 4096 cells of 512 bytes), so neither buffer grows."""
+    reserved, shift_log = shift_logs(rpc_build, gguf_models["llama-gqa"], 4, "joined")
+    assert re.findall(r"staging buffer from [0-9.]+ MiB to [0-9.]+ MiB: 3 slots of (\d+) bytes", reserved) == \
+        [str(4 * 4096 * 512)], reserved
     assert "staging buffer from" not in shift_log, shift_log
     assert "reallocating" not in shift_log, shift_log
 
