@@ -3,6 +3,7 @@
 # each fit one call of at most 10 minutes:
 #
 #   scripts/gpu_session.sh OUTDIR first   # this series' build (-j 16), `checks` but for the long op suites, `serve`
+#   scripts/gpu_session.sh OUTDIR quick   # the least: this series without tools, FLASH_ATTN_EXT_LSE, gpu_check both modes
 #   scripts/gpu_session.sh OUTDIR build   # CUDA builds, at once: this series (tools, tests, bindings), the series
 #                                         # before it (tools) and the pin itself (test-backend-ops), sm_90; a
 #                                         # second call resumes what the first's limit stopped
@@ -83,8 +84,9 @@ build)  # all three at once (a call that stops at its limit leaves them to the n
     { time timeout 300 ninja -C build/cuda-new test-backend-ops test-backend-sched test-llama-archs; } >> "$out/build-new.log" 2>&1
     echo "tests build exit $?" >> "$out/build-new.log"
     ;;
-quick)  # this series alone (-j 16), then the checks of the log-sum-exp attention: test-backend-ops, chunked exactness
-    build_variant new "$root/patches/b11312" --tools -j 16 -DLLAMA_BUILD_TESTS=ON
+quick)  # the least that checks the log-sum-exp attention on CUDA: this series without its tools (-j 16), its
+        # FLASH_ATTN_EXT_LSE op suite, then gpu_check chunked and joined (for a call too short for `first`)
+    build_variant new "$root/patches/b11312" -j 16 -DLLAMA_BUILD_TESTS=ON
     { time timeout 200 ninja -C build/cuda-new test-backend-ops; } >> "$out/build-new.log" 2>&1
     { echo "== test-backend-ops -o FLASH_ATTN_EXT_LSE -b CUDA0"
       timeout 120 build/cuda-new/bin/test-backend-ops -o FLASH_ATTN_EXT_LSE -b CUDA0 2>&1 | grep -E "FAIL|tests passed|Backend CUDA0"
@@ -93,6 +95,8 @@ quick)  # this series alone (-j 16), then the checks of the log-sum-exp attentio
     { time env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion --attn chunked --attn-chunk 256 \
         --scenarios greedy,state,shift,streams,full; } > "$out/gpu_check_chunked.txt" 2>&1
     echo "gpu_check exit $?" >> "$out/gpu_check_chunked.txt"
+    { time env GGML_CUDA_DISABLE_FUSION=1 python3 scripts/gpu_check.py --no-cuda-fusion; } > "$out/gpu_check_joined.txt" 2>&1
+    echo "gpu_check exit $?" >> "$out/gpu_check_joined.txt"
     ;;
 checks)  # the checks never run on a GPU before first, then the rest
     tbo=build/cuda-new/bin/test-backend-ops
