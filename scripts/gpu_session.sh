@@ -86,7 +86,7 @@ build)  # all three at once (a call that stops at its limit leaves them to the n
     ;;
 quick)  # the least that checks the log-sum-exp attention on CUDA: this series without its tools (-j 16), its
         # FLASH_ATTN_EXT_LSE op suite, then gpu_check chunked and joined (for a call too short for `first`)
-    build_variant new "$root/patches/b11312" -j 16 -DLLAMA_BUILD_TESTS=ON
+    build_variant new "$root/patches/b11312" -j 16 -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TESTS=ON
     { time timeout 200 ninja -C build/cuda-new test-backend-ops; } >> "$out/build-new.log" 2>&1
     { echo "== test-backend-ops -o FLASH_ATTN_EXT_LSE -b CUDA0"
       timeout 120 build/cuda-new/bin/test-backend-ops -o FLASH_ATTN_EXT_LSE -b CUDA0 2>&1 | grep -E "FAIL|tests passed|Backend CUDA0"
