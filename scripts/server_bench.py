@@ -420,10 +420,11 @@ _SHIFT_RE = re.compile(r"slot context shift, n_keep = (\d+), n_left = (\d+), n_d
 
 def memory_figures(log_text: str, mark: int) -> dict:
     """The device buffers a server logged (llama.cpp's debug log): compute buffers as last reserved before ``mark``
-    (an offset into the log), the staging buffer as reserved, and what grew after ``mark``."""
+    (an offset into the log; the device's own, staging included: not the CPU's nor a pinned host buffer such as
+    CUDA_Host), the staging buffer as reserved, and what grew after ``mark``."""
     before, after = log_text[:mark], log_text[mark:]
     compute = {name: mib for name, mib in compute_buffers_mib([(None, line) for line in before.splitlines()]).items()
-               if not name.startswith("CPU")}
+               if not name.startswith("CPU") and not name.endswith("_Host")}
     staging = {m.group(1): float(m.group(3)) for m in _STAGING_RE.finditer(before)}
     return {"compute_mib": compute, "staging_mib": staging,
             "staging_grew": [m.group(0) for m in _STAGING_RE.finditer(after)],
@@ -590,8 +591,8 @@ def save_table(rows: List[dict]) -> str:
 
 
 def memory_table(rows: List[dict]) -> str:
-    lines = ["| frac | slots x ctx | device compute MiB | staging MiB | grew after reserve | context shifts "
-             "| plan compute MiB | plan arena MiB | decode tok/s |", "|---:|---|---:|---:|---|---:|---:|---:|---:|"]
+    lines = ["| frac | slots x ctx | device compute MiB (staging included) | staging MiB | grew after reserve "
+             "| context shifts | plan compute MiB | plan arena MiB | decode tok/s |", "|---:|---|---:|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         grew = "; ".join(r["staging_grew"] + r["compute_grew"]) or "no"
         lines.append(f"| {r['frac']:g} | {r['slots']} x {r['ctx_per_slot']} | {sum(r['compute_mib'].values()):.1f} "

@@ -299,7 +299,8 @@ def assistant_drafts(binary, models, frac, tmp_path, extra=(), env=None) -> dict
         extra=["-c", "512", "-np", "1", "-t", "2", "--no-warmup", "-md", str(models["gemma4-assistant"]),
                "--spec-type", "draft-mtp", "-v", *extra], server=binary)
     with open(log, "w", encoding="utf-8") as echo:
-        proc, _ = serve_cli.start_server(command, echo=echo, timeout=120, env=dict(env or os.environ, **{FORCE_SPLIT: "1"}))
+        proc, _ = serve_cli.start_server(command, echo=echo, timeout=120,
+                                         env=dict(env or os.environ, **{FORCE_SPLIT: "1"}))
         try:
             request = urllib.request.Request(command.url + "/completion", headers={"Content-Type": "application/json"},
                                              data=json.dumps({"prompt": PROMPT, "n_predict": 24, "temperature": 0,

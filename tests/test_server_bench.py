@@ -104,6 +104,7 @@ def test_memory_mode_two_streams_and_a_context_shift(bench, server_binary, gguf_
 def test_memory_figures_read_the_buffers_before_and_what_grew_after(bench):
     log = ("sched_reserve:      CUDA0 compute buffer size =   812.50 MiB\n"
            "sched_reserve:        CPU compute buffer size =    20.00 MiB\n"
+           "sched_reserve:  CUDA_Host compute buffer size =    80.01 MiB\n"
            "ggml_backend_sched_alloc_streams: CUDA0 staging buffer from 0.00 MiB to 24.02 MiB: 3 slots of 8396800 "
            "bytes (group #2 of 40, graph of 900 nodes)\n")
     mark = len(log)
