@@ -73,8 +73,8 @@ first)  # this series alone (-j 16), its checks, then the llama-server memory ru
     build_variant new "$root/patches/b11312" --tools -j 16 -DLLAMA_BUILD_TESTS=ON
     { time timeout 300 ninja -C build/cuda-new test-backend-ops test-backend-sched test-llama-archs; } >> "$out/build-new.log" 2>&1
     echo "tests build exit $?" >> "$out/build-new.log"
-    HI_CHECK_OPS="FLASH_ATTN_EXT_LSE" "$0" "$out" checks
-    "$0" "$out" serve
+    HI_CHECK_OPS="FLASH_ATTN_EXT_LSE" bash "$0" "$out" checks
+    bash "$0" "$out" serve
     ;;
 build)  # all three at once (a call that stops at its limit leaves them to the next one, which resumes them)
     build_variant new "$root/patches/b11312" --tools -j 8 -DLLAMA_BUILD_TESTS=ON &
