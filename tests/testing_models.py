@@ -293,6 +293,23 @@ def with_layers(spec: ModelSpec, n_layer: int) -> ModelSpec:
     return replace(spec, name=f"{spec.name}-{n_layer}l", n_layer=n_layer)
 
 
+class _RandomWeights:
+    """Random tensors from one generator, drawn in the order they are asked for: matrices scaled by 1/sqrt(n_in)
+    (numpy shape (rows=n_out, cols=n_in) == ggml ne {n_in, n_out}), norms around 1, biases around 0."""
+
+    def __init__(self, rng: np.random.Generator, mat_dtype) -> None:
+        self.rng, self.mat_dtype = rng, mat_dtype
+
+    def mat(self, n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
+        return (self.rng.standard_normal((n_out, n_in)) * (gain / np.sqrt(n_in))).astype(self.mat_dtype)
+
+    def norm(self, n: int) -> np.ndarray:
+        return (1.0 + 0.1 * self.rng.standard_normal(n)).astype(np.float32)
+
+    def bias(self, n: int) -> np.ndarray:
+        return (0.1 * self.rng.standard_normal(n)).astype(np.float32)
+
+
 def _add_vocab(w, vocab: Vocab) -> None:
     """The tokenizer's keys of ``vocab`` in the GGUF writer ``w``."""
     w.add_tokenizer_model(vocab.model)
@@ -329,15 +346,8 @@ def write_model(spec: ModelSpec, path: Path, experts: tuple[int, int] | None = N
     n_q = spec.n_head * spec.head_dim
     n_kv = spec.n_head_kv * spec.head_dim
 
-    def mat(n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
-        # numpy shape (rows=n_out, cols=n_in) == ggml ne {n_in, n_out}
-        return (rng.standard_normal((n_out, n_in)) * (gain / np.sqrt(n_in))).astype(mat_dtype)
-
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    def bias(n: int) -> np.ndarray:
-        return (0.1 * rng.standard_normal(n)).astype(np.float32)
+    weights = _RandomWeights(rng, mat_dtype)
+    mat, norm, bias = weights.mat, weights.norm, weights.bias
 
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), spec.arch)
@@ -557,11 +567,8 @@ def write_recurrent_model(spec: RecurrentSpec, path: Path) -> Path:
     n_vocab = len(vocab.tokens)
     d_inner = 2 * spec.n_embd
 
-    def mat(n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
-        return (rng.standard_normal((n_out, n_in)) * (gain / np.sqrt(n_in))).astype(np.float32)
-
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    weights = _RandomWeights(rng, np.float32)
+    mat, norm = weights.mat, weights.norm
 
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), spec.arch)
@@ -580,15 +587,7 @@ def write_recurrent_model(spec: RecurrentSpec, path: Path) -> Path:
     w.add_ssm_time_step_rank(spec.dt_rank)
     w.add_layer_norm_rms_eps(1e-6)
 
-    w.add_tokenizer_model(vocab.model)
-    w.add_token_list(vocab.tokens)
-    w.add_token_scores(vocab.scores)
-    w.add_token_types(vocab.types)
-    w.add_bos_token_id(vocab.bos)
-    w.add_eos_token_id(vocab.eos)
-    w.add_unk_token_id(vocab.unk)
-    w.add_add_bos_token(vocab.add_bos)
-    w.add_add_eos_token(False)
+    _add_vocab(w, vocab)
 
     w.add_tensor(_tensor_name(T.TOKEN_EMBD), rng.standard_normal((n_vocab, spec.n_embd)).astype(np.float32))
     w.add_tensor(_tensor_name(T.OUTPUT_NORM), norm(spec.n_embd))
@@ -640,11 +639,8 @@ def write_assistant_model(spec: AssistantSpec, path: Path) -> Path:
     vocab = vocab_for(target)
     hd = target.head_dim
 
-    def mat(n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
-        return (rng.standard_normal((n_out, n_in)) * (gain / np.sqrt(n_in))).astype(np.float16)
-
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    weights = _RandomWeights(rng, np.float16)
+    mat, norm = weights.mat, weights.norm
 
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), "gemma4-assistant")
