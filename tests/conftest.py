@@ -297,15 +297,21 @@ def fake_pin(fake_pin_template, monkeypatch) -> FakePin:
 
 
 @pytest.fixture(scope="session")
-def gguf_models(request, tmp_path_factory) -> Dict[str, Path]:
+def test_models_dir(request, tmp_path_factory) -> Path:
+    """Where the synthetic test models are cached across runs (.pytest_cache; each under its content key), or a
+    temporary directory when pytest runs without its cache."""
+    cache = getattr(request.config, "cache", None)
+    return Path(cache.mkdir("pyllama-headinfer-test-models")) if cache is not None \
+        else tmp_path_factory.mktemp("test-models")
+
+
+@pytest.fixture(scope="session")
+def gguf_models(test_models_dir) -> Dict[str, Path]:
     """Name -> path of the small synthetic GGUF models (llama-gqa, qwen2,
     gemma3-iswa), generated once and cached across runs in .pytest_cache."""
     import testing_models
 
-    cache = getattr(request.config, "cache", None)
-    directory = Path(cache.mkdir("pyllama-headinfer-test-models")) if cache is not None \
-        else tmp_path_factory.mktemp("test-models")
-    return testing_models.ensure_test_models(directory)
+    return testing_models.ensure_test_models(test_models_dir)
 
 
 # --------------------------------------------------------------------------

@@ -67,11 +67,8 @@ def force_split():
 
 
 @pytest.fixture(scope="module")
-def extra_models(llama, request, tmp_path_factory):
-    cache = getattr(request.config, "cache", None)
-    directory = Path(cache.mkdir("pyllama-headinfer-test-models")) if cache is not None \
-        else tmp_path_factory.mktemp("extra-models")
-    opened = {name: llama.Model(path) for name, path in ensure_extra_models(directory).items()}
+def extra_models(llama, test_models_dir):
+    opened = {name: llama.Model(path) for name, path in ensure_extra_models(test_models_dir).items()}
     yield opened
     for m in opened.values():
         m.close()

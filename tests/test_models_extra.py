@@ -13,11 +13,8 @@ import testing_models as tm
 
 
 @pytest.fixture(scope="module")
-def extra_paths(request, tmp_path_factory):
-    cache = getattr(request.config, "cache", None)
-    directory = Path(cache.mkdir("pyllama-headinfer-test-models")) if cache is not None \
-        else tmp_path_factory.mktemp("extra-models")
-    return tm.ensure_extra_models(directory)
+def extra_paths(test_models_dir):
+    return tm.ensure_extra_models(test_models_dir)
 
 
 

@@ -53,11 +53,8 @@ from testing_models import FORCE_SPLIT, SPECS, ensure_extra_models
 
 
 @pytest.fixture(scope="module")
-def extra_models(request, tmp_path_factory):
-    cache = getattr(request.config, "cache", None)
-    directory = cache.mkdir("pyllama-headinfer-test-models") if cache is not None \
-        else tmp_path_factory.mktemp("extra-models")
-    return ensure_extra_models(directory, ["llama-mqa", "mamba"])
+def extra_models(test_models_dir):
+    return ensure_extra_models(test_models_dir, ["llama-mqa", "mamba"])
 
 
 @pytest.fixture(scope="module")

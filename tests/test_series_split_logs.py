@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import re
-from pathlib import Path
 
 import pytest
 from conftest import capture_llama_log
@@ -105,11 +104,8 @@ def test_flash_attention_off_is_a_warning(llama, models, records, monkeypatch):
                           "is off) (gpu_heads_frac = 0.500 ignored for them)")]
 
 
-def test_memory_without_attention_kv_is_a_warning(llama, records, request, tmp_path_factory):
-    cache = getattr(request.config, "cache", None)
-    directory = Path(cache.mkdir("pyllama-headinfer-test-models")) if cache is not None \
-        else tmp_path_factory.mktemp("extra-models")
-    path = ensure_extra_models(directory, ["mamba"])["mamba"]
+def test_memory_without_attention_kv_is_a_warning(llama, records, test_models_dir):
+    path = ensure_extra_models(test_models_dir, ["mamba"])["mamba"]
     with llama.Model(str(path)) as model, open_ctx(llama, model, 0.5) as ctx:
         assert ctx.kv_residency() is None
     assert headinfer(records) == [

@@ -318,13 +318,10 @@ def assistant_drafts(binary, models, frac, tmp_path, extra=(), env=None) -> dict
 
 
 @pytest.fixture(scope="module")
-def draft_models(request, tmp_path_factory) -> dict:
+def draft_models(test_models_dir) -> dict:
     import testing_models
 
-    cache = getattr(request.config, "cache", None)
-    directory = Path(cache.mkdir("pyllama-headinfer-test-models")) if cache is not None \
-        else tmp_path_factory.mktemp("draft-models")
-    return testing_models.ensure_draft_models(directory)
+    return testing_models.ensure_draft_models(test_models_dir)
 
 
 def test_an_assistant_reading_the_targets_split_cache_drafts_as_over_a_whole_one(server_binary, draft_models,
