@@ -13,7 +13,8 @@
 #   scripts/gpu_session.sh OUTDIR decode  # the decode table, this series against the series before it, one model,
 #                                         # interleaved, with the host-to-device copy rate before and after (~6 min)
 #   scripts/gpu_session.sh OUTDIR fit     # llama.cpp's --fit with the split against its answer without, for the
-#                                         # rows in $HI_FIT_ROWS (CTX:CARD_GIB,...; scripts/fit_table.py)
+#                                         # rows in $HI_FIT_ROWS (CTX:CARD_GIB,...; scripts/fit_table.py), KV type
+#                                         # $HI_FIT_TYPE (f16), the context filled as $HI_FIT_FILL says (bench)
 #   scripts/gpu_session.sh OUTDIR tools   # this series' tools alone (-j 16), for the fit part of the same call
 #   scripts/gpu_session.sh OUTDIR serve   # llama-server, 4 slots of 32K cells, one KV stream each, in chunks, and a
 #                                         # context shift: the device buffers against plan's (frac 1 and 0.5)
@@ -142,11 +143,14 @@ decode)
 tools)
     build_variant new "$root/patches/b11312" --tools -j 16
     ;;
-fit)
+fit)  # HI_FIT_FILL: bench or state (scripts/fit_table.py --fill), HI_FIT_TYPE: the KV type (f16)
     bench_model > "$out/model.log" 2>&1
-    { time python3 -u scripts/fit_table.py --bin build/cuda-new/bin --model "$model" \
-        --rows "${HI_FIT_ROWS:-32768:8,131072:12,131072:16}" --log-dir "$out/fit-logs"; } > "$out/fit_table.md" 2>&1
-    echo "fit_table exit $?" >> "$out/fit_table.md"
+    export PYLLAMA_HEADINFER_BUILD_DIR=$root/build/cuda-new
+    table=$out/fit_table-${HI_FIT_FILL:-bench}-${HI_FIT_TYPE:-f16}.md
+    { time python3 -u scripts/fit_table.py --bin build/cuda-new/bin --model "$model" --type "${HI_FIT_TYPE:-f16}" \
+        --fill "${HI_FIT_FILL:-bench}" --rows "${HI_FIT_ROWS:-32768:8,131072:12,131072:16}" \
+        --log-dir "$out/fit-logs"; } >> "$table" 2>&1
+    echo "fit_table exit $?" >> "$table"
     ;;
 serve)
     bench_model > "$out/model.log" 2>&1
