@@ -154,20 +154,23 @@ def main(argv: list[str] | None = None) -> int:
     else:
         measure = StateDecode(args.model, args.type, args.threads, n_gen)
 
-    free = gpu_free_mib()
-    print(f"GPU free memory at the start: {free} MiB; KV {args.type}; fit may use card - 1 GiB; fill {args.fill}; "
+    print(f"KV {args.type}; fit may use card - 1 GiB of the GPU memory free before each row; fill {args.fill}; "
           f"{args.threads} threads\n")
     print("| context | card | answer | configuration | predicted tok/s | decode tok/s | wall s |")
     print("|---|---|---|---|---|---|---|")
     for row in args.rows.split(","):
         ctx, card = (int(x) for x in row.split(":"))
+        # free memory now, not at the start: a state fill leaves this process holding device memory (the CUDA
+        # context, ggml's pool) that fit would otherwise count against the card
+        free = gpu_free_mib()
         margin = free - (card - 1) * 1024
         fit = subprocess.run([str(args.bin / "llama-fit-params"), "-m", str(args.model), "-c", str(ctx), "-fa", "on",
                               "-ctk", args.type, "-ctv", args.type, "-fitt", str(margin)],
                              capture_output=True, text=True)
         if args.log_dir:
             args.log_dir.mkdir(parents=True, exist_ok=True)
-            (args.log_dir / f"fit-{ctx}-{card}-{args.type}.log").write_text(fit.stderr + fit.stdout)
+            (args.log_dir / f"fit-{ctx}-{card}-{args.type}.log").write_text(
+                f"GPU free memory before fit: {free} MiB, --fit-target {margin}\n" + fit.stderr + fit.stdout)
         found = answers(fit.stderr)
         if not found:
             line = fit.stdout.strip().splitlines()[-1] if fit.stdout.strip() else f"exit {fit.returncode}"

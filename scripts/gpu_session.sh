@@ -4,9 +4,10 @@
 #
 #   scripts/gpu_session.sh OUTDIR first   # this series' build (-j 16), `checks` but for the long op suites, `serve`
 #   scripts/gpu_session.sh OUTDIR quick   # the least: this series without tools, FLASH_ATTN_EXT_LSE, gpu_check both modes
-#   scripts/gpu_session.sh OUTDIR build   # CUDA builds, at once: this series (tools, tests, bindings), the series
-#                                         # before it (tools) and the pin itself (test-backend-ops), sm_90; a
-#                                         # second call resumes what the first's limit stopped
+#   scripts/gpu_session.sh OUTDIR build   # CUDA builds, one after the other at -j 16, of the variants in
+#                                         # $HI_BUILD_VARIANTS (default "new pin old"): this series (tools, tests,
+#                                         # bindings), the pin itself (test-backend-ops) and the series before it
+#                                         # (tools), sm_90, ~3.5 min each; a later call resumes what a limit stopped
 #   scripts/gpu_session.sh OUTDIR checks  # test-backend-ops for the ops the series touches, test-backend-sched,
 #                                         # test-llama-archs, gpu_check --no-cuda-fusion joined and chunked (~5 min)
 #   scripts/gpu_session.sh OUTDIR perf    # plain FLASH_ATTN_EXT perf, the pin against this series (~2 min)
@@ -77,13 +78,19 @@ first)  # this series alone (-j 16), its checks, then the llama-server memory ru
     HI_CHECK_OPS="FLASH_ATTN_EXT_LSE" bash "$0" "$out" checks
     bash "$0" "$out" serve
     ;;
-build)  # all three at once (a call that stops at its limit leaves them to the next one, which resumes them)
-    build_variant new "$root/patches/b11312" --tools -j 8 -DLLAMA_BUILD_TESTS=ON &
-    build_variant old "$root/.gpu-carry/old-series" --tools --no-bindings -j 5 &
-    build_pin 3
-    wait
-    { time timeout 300 ninja -C build/cuda-new test-backend-ops test-backend-sched test-llama-archs; } >> "$out/build-new.log" 2>&1
-    echo "tests build exit $?" >> "$out/build-new.log"
+build)  # one after the other, each with every core: three builds side by side on 16 cores finished none of them in
+        # 740 s, where one alone takes ~200 s, and a finished build is what the next part needs
+    for v in ${HI_BUILD_VARIANTS:-new pin old}; do
+        case $v in
+        new) build_variant new "$root/patches/b11312" --tools -j 16 -DLLAMA_BUILD_TESTS=ON
+             { time timeout 300 ninja -C build/cuda-new test-backend-ops test-backend-sched test-llama-archs; } \
+                 >> "$out/build-new.log" 2>&1
+             echo "tests build exit $?" >> "$out/build-new.log" ;;
+        pin) build_pin 16 ;;
+        old) build_variant old "$root/.gpu-carry/old-series" --tools --no-bindings -j 16 ;;
+        *) echo "unknown build variant: $v" >&2; exit 2 ;;
+        esac
+    done
     ;;
 quick)  # the least that checks the log-sum-exp attention on CUDA: this series without its tools (-j 16), its
         # FLASH_ATTN_EXT_LSE op suite, then gpu_check chunked and joined (for a call too short for `first`)
