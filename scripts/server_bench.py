@@ -62,8 +62,8 @@ import argparse
 import json
 import os
 import random
-import socket
 import re
+import socket
 import sys
 import tempfile
 import threading

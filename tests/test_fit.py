@@ -108,6 +108,13 @@ def test_fit_keeps_every_layer_on_the_device_when_the_split_is_predicted_faster(
                    run.stderr)
     assert kv and 4 * int(kv.group(1)) == int(kv.group(2)) == 1024, run.stderr[-2000:]
     assert re.search(r"rejected \d+ of 9 layers on the device", run.stderr)
+    # scripts/fit_table.py decodes both answers on a GPU as it reads them from this log
+    from fit_table import answers
+
+    chose, rejected = answers(run.stderr)
+    assert chose["verdict"] == "chose" and chose["config"] == {"ngl": 99, "frac": frac, "attn": "joined"}, chose
+    assert rejected["verdict"] == "rejected" and rejected["config"]["frac"] == 1.0, rejected
+    assert 0 < rejected["config"]["ngl"] < 9 and f"{rejected['config']['ngl']} of 9 layers" in rejected["what"]
 
 
 def test_fit_splits_a_real_quantized_gqa_model(rpc_build, rpc_endpoint, smollm2):
