@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 N_CTX = 131072
 MiB = 1024 * 1024
-# GB/s of device memory, host-to-device copies and system memory
-FAVOURS_SPLIT = "100,50,10"
-SLOW_LINK = "100,1,20"
+# GB/s of device memory, host-to-device copies, system memory and the CPU's attention over the KV
+FAVOURS_SPLIT = "100,50,10,10"
+SLOW_LINK = "100,1,20,20"
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,7 @@ def test_fit_counts_the_experts_a_token_reads(rpc_build, rpc_endpoint, moe_model
     one, two = (device_total_mib(rpc_build, rpc_endpoint, moe_model, "-hgf", frac, n_ctx=MOE_CTX)
                 for frac in ("0.25", "0.5"))
     assert one + 32 < two, (one, two)
-    run = fit_with_room(rpc_build, rpc_endpoint, moe_model, (one + two) // 2, "--fit-bandwidth", "100,10,2",
+    run = fit_with_room(rpc_build, rpc_endpoint, moe_model, (one + two) // 2, "--fit-bandwidth", "100,10,2,2",
                         n_ctx=MOE_CTX)
     args = fitted_args(run)
     assert re.fullmatch(rf'-c {MOE_CTX} -ngl 9 -ot "[^"]*exps=CPU[^"]*"', args), args
@@ -166,6 +166,36 @@ def test_fit_moves_layers_when_the_link_is_predicted_slower(rpc_build, rpc_endpo
     args = fitted_args(fit_with_room(rpc_build, rpc_endpoint, fit_model, room, "--fit-bandwidth", SLOW_LINK))
     m = re.fullmatch(rf"-c {N_CTX} -ngl (\d+)", args)
     assert m and 0 < int(m.group(1)) < 9, args
+
+
+def test_fit_weighs_the_cpus_attention_over_the_kv_of_the_layers_it_would_move(rpc_build, rpc_endpoint, fit_model,
+                                                                                totals):
+    """The slow link's case, where upstream's answer wins with the moved layers' KV read at the memory's bandwidth
+    (above), with the CPU's attention getting through that KV at 0.2 GB/s instead: the layers answer is now predicted
+    at 0.5 tokens/s against the split's 1.2, and fit keeps every layer on the device."""
+    room = (totals["joined 1"] + totals["joined 2"]) // 2
+    run = fit_with_room(rpc_build, rpc_endpoint, fit_model, room, "--fit-bandwidth", "100,1,20,0.2")
+    args = fitted_args(run)
+    assert re.fullmatch(rf"-c {N_CTX} -ngl -1 -hgf [0-9.]+", args), args
+    from fit_table import answers
+
+    chose, rejected = answers(run.stderr)
+    assert chose["config"]["ngl"] == 99 and rejected["config"]["ngl"] < 9, run.stderr[-2000:]
+    assert chose["predicted"] > 1.5 * rejected["predicted"], run.stderr[-2000:]
+
+
+def test_fit_times_the_cpus_attention_when_it_measures(rpc_build, rpc_endpoint, fit_model, totals):
+    """Without --fit-bandwidth fit measures its rates and times the CPU's flash attention over the model's KV shape,
+    and logs both before it compares the answers."""
+    room = (totals["joined 1"] + totals["joined 2"]) // 2
+    run = fit_with_room(rpc_build, rpc_endpoint, fit_model, room)
+    assert re.search(r"measured bandwidths: device [0-9.]+ GB/s, host to device [0-9.]+ GB/s, system memory [0-9.]+ GB/s",
+                     run.stderr), run.stderr[-2000:]
+    timed = re.search(r"timed the CPU's attention at decode: ([0-9.]+) GB/s of KV", run.stderr)
+    assert timed and float(timed.group(1)) > 0, run.stderr[-2000:]
+    from fit_table import answers
+
+    assert [a["verdict"] for a in answers(run.stderr)] in (["chose", "rejected"], ["rejected", "chose"]), run.stderr
 
 
 def test_fit_takes_chunked_attention_when_only_its_transient_fits(rpc_build, rpc_endpoint, fit_model, totals):
@@ -185,9 +215,9 @@ def test_an_explicit_fraction_is_kept_and_layers_fit_around_it(rpc_build, rpc_en
 def test_explicit_gpu_layers_stop_fit_as_before(rpc_build, rpc_endpoint, fit_model, totals):
     room = (totals["joined 1"] + totals["joined 2"]) // 2
     run = fit_with_room(rpc_build, rpc_endpoint, fit_model, room, "--fit-bandwidth", FAVOURS_SPLIT, "-ngl", "99")
-    # llama-fit-params exits 1 printing no arguments; its reason ("n_gpu_layers already set by user to 99") goes
-    # through common's asynchronous log, which exit() can cut off, so it is not required here
+    # llama-fit-params exits 1 printing no arguments, and its reason (common's log is flushed at exit)
     assert run.returncode == 1 and run.stdout.strip() == "", run.stdout
+    assert "n_gpu_layers already set by user to 99" in run.stderr, run.stderr[-1000:]
     assert "chose" not in run.stderr and "rejected" not in run.stderr
 
 
@@ -204,7 +234,7 @@ def test_where_no_layer_splits_fit_answers_as_before(rpc_build, rpc_endpoint, fi
 
 
 def test_a_bad_bandwidth_is_a_usage_error(rpc_build, rpc_endpoint, fit_model):
-    for value in ("100,50", "100,0,10", "a,b,c"):
+    for value in ("100,50,10", "100,0,10,10", "a,b,c,d", "100,50,10,-1"):
         run = fit_params(rpc_build, rpc_endpoint, fit_model, "--fit-bandwidth", value)
         assert run.returncode != 0 and "--fit-bandwidth" in run.stderr, (value, run.stderr[-500:])
 
