@@ -12,9 +12,11 @@
 #                                         # call resumes what a limit stopped
 #   scripts/gpu_session.sh OUTDIR checks  # test-backend-ops for the ops the series touches, test-backend-sched,
 #                                         # test-llama-archs, gpu_check --no-cuda-fusion joined and chunked (~5 min)
-#   scripts/gpu_session.sh OUTDIR perf    # plain FLASH_ATTN_EXT perf, the pin against this series (~2 min)
+#   scripts/gpu_session.sh OUTDIR perf    # plain FLASH_ATTN_EXT perf, the pin against this series, two passes each
+#                                         # (~2 min a pass on an H100; scripts/gpu_tables.py perf reads it)
 #   scripts/gpu_session.sh OUTDIR decode  # the decode table, this series against the series before it, one model,
-#                                         # interleaved, with the host-to-device copy rate before and after (~6 min)
+#                                         # interleaved, with the host-to-device copy rate before and after (~5 min;
+#                                         # scripts/gpu_tables.py decode reads it)
 #   scripts/gpu_session.sh OUTDIR fit     # llama.cpp's --fit with the split against its answer without, for the
 #                                         # rows in $HI_FIT_ROWS (CTX:CARD_GIB,...; scripts/fit_table.py), KV type
 #                                         # $HI_FIT_TYPE (f16), the context filled as $HI_FIT_FILL says (bench)
