@@ -21,6 +21,8 @@
 #                                         # rows in $HI_FIT_ROWS (CTX:CARD_GIB,...; scripts/fit_table.py), KV type
 #                                         # $HI_FIT_TYPE (f16), the context filled as $HI_FIT_FILL says (bench)
 #   scripts/gpu_session.sh OUTDIR tools   # this series' tools alone (-j 16), for the fit part of the same call
+#   scripts/gpu_session.sh OUTDIR cpu-attn  # the CPU's flash attention at decode over 64 MiB of KV (what fit times)
+#                                         # against spans a long context's CPU layers read (scripts/cpu_attn_span.cpp)
 #   scripts/gpu_session.sh OUTDIR serve   # llama-server, 4 slots of 32K cells, one KV stream each, in chunks, and a
 #                                         # context shift: the device buffers against plan's (frac 1 and 0.5)
 #
@@ -30,8 +32,8 @@
 # Builds go to build/cuda-new, build/cuda-old and build/cuda-pin.
 set -uo pipefail
 
-out=${1:?usage: $0 OUTDIR first|build|quick|checks|perf|decode|fit|tools|serve}
-part=${2:?usage: $0 OUTDIR first|build|quick|checks|perf|decode|fit|tools|serve}
+out=${1:?usage: $0 OUTDIR first|build|quick|checks|perf|decode|fit|tools|cpu-attn|serve}
+part=${2:?usage: $0 OUTDIR first|build|quick|checks|perf|decode|fit|tools|cpu-attn|serve}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 mkdir -p "$out"
@@ -162,6 +164,17 @@ fit)  # HI_FIT_FILL: bench or state (scripts/fit_table.py --fill), HI_FIT_TYPE: 
         --fill "${HI_FIT_FILL:-bench}" --rows "${HI_FIT_ROWS:-32768:8,131072:12,131072:16}" \
         --log-dir "$out/fit-logs"; } >> "$table" 2>&1
     echo "fit_table exit $?" >> "$table"
+    ;;
+cpu-attn)  # after `build` (this series' ggml): does a span the last-level cache cannot hold change fit's timed rate?
+    g++ -O2 -std=c++17 -I "$(tree new)/ggml/include" scripts/cpu_attn_span.cpp -L build/cuda-new/bin -lggml \
+        -lggml-base -lggml-cpu -Wl,-rpath,"$root/build/cuda-new/bin" -o /tmp/cpu_attn_span || exit 1
+    { lscpu | grep -E "Model name|L3|NUMA node\(s\)"
+      for type in f16 q8_0; do
+          for span in "16384 1" "32768 1" "32768 8" "131072 1" "131072 4"; do
+              # shellcheck disable=SC2086
+              /tmp/cpu_attn_span $span "$(nproc)" $type
+          done
+      done; } > "$out/cpu_attn_span.txt" 2>&1
     ;;
 serve)
     bench_model > "$out/model.log" 2>&1
