@@ -136,11 +136,13 @@ def test_fit_splits_a_real_quantized_gqa_model(rpc_build, rpc_endpoint, smollm2)
 MOE_CTX = 32768
 
 
-@pytest.fixture(scope="module")
-def moe_model(tmp_path_factory) -> Path:
-    """8 layers of 8 experts, 1 used per token: 192 of its 198 MiB of weights are experts; 256 MiB of KV at MOE_CTX."""
+@pytest.fixture(scope="module", params=["one file", "split"])
+def moe_model(request, tmp_path_factory) -> Path:
+    """8 layers of 8 experts, 1 used per token: 192 of its 198 MiB of weights are experts; 256 MiB of KV at MOE_CTX.
+    In one file, or split as gguf-split splits (9 files of at most 12 tensors: the first holds one layer's experts)."""
     spec = dataclasses.replace(with_layers(SPECS["llama-gqa"], 8), name="llama-moe", n_ff=2048, n_ctx_train=MOE_CTX)
-    return write_model(spec, tmp_path_factory.mktemp("fit") / f"{spec.name}.gguf", experts=(8, 1))
+    return write_model(spec, tmp_path_factory.mktemp("fit") / f"{spec.name}.gguf", experts=(8, 1),
+                       split_max_tensors=12 if request.param == "split" else 0)
 
 
 def test_fit_counts_the_experts_a_token_reads(rpc_build, rpc_endpoint, moe_model):
@@ -148,7 +150,7 @@ def test_fit_counts_the_experts_a_token_reads(rpc_build, rpc_endpoint, moe_model
     system memory. Room for one of 4 KV heads per layer and not two; device 100, link 10, system memory 2 GB/s:
     upstream's answer moves the experts of four layers to system memory (96 MiB, of which a token reads 12), predicted
     faster than 192 MiB of host heads over the link. Counting all their bytes per token (as before) chose the split
-    (21.8 against 49.7 tokens/s predicted)."""
+    (21.8 against 49.7 tokens/s predicted); so did counting the experts of a split model's first file alone."""
     one, two = (device_total_mib(rpc_build, rpc_endpoint, moe_model, "-hgf", frac, n_ctx=MOE_CTX)
                 for frac in ("0.25", "0.5"))
     assert one + 32 < two, (one, two)

@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -275,17 +276,27 @@ def _tensor_name(kind, bid: int | None = None, suffix: str = "weight") -> str:
 
 def finish_gguf(writer, tmp: Path, path: Path) -> Path:
     """Write what ``writer`` (a ``gguf.GGUFWriter`` opened on ``tmp``) holds,
-    then rename ``tmp`` to ``path``: readers never see half a model."""
+    then rename ``tmp`` to ``path``: readers never see half a model. A writer
+    that splits (``split_max_tensors``) writes its files, named as gguf-split
+    names them, in the folder ``tmp``; they are moved beside ``path`` and the
+    first one's path is returned."""
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, path)
+        if not tmp.is_dir():
+            os.replace(tmp, path)
+            return path
+        shards = sorted(tmp.iterdir())
+        for shard in shards:
+            os.replace(shard, path.with_name(shard.name))
+        return path.with_name(shards[0].name)
     finally:
-        if tmp.exists():
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        elif tmp.exists():
             tmp.unlink()
-    return path
 
 
 def with_layers(spec: ModelSpec, n_layer: int) -> ModelSpec:
@@ -329,10 +340,12 @@ def _add_vocab(w, vocab: Vocab) -> None:
     w.add_add_eos_token(False)
 
 
-def write_model(spec: ModelSpec, path: Path, experts: tuple[int, int] | None = None) -> Path:
+def write_model(spec: ModelSpec, path: Path, experts: tuple[int, int] | None = None,
+                split_max_tensors: int = 0) -> Path:
     """Write ``spec`` as a GGUF file at ``path`` (atomically); return ``path``. ``experts`` (``llama`` only):
     ``(n_expert, n_expert_used)``, a mixture of experts of ``n_ff`` each in every layer instead of its dense FFN
-    (not part of the spec: no cached file has them)."""
+    (not part of the spec: no cached file has them). ``split_max_tensors``: files of at most that many tensors, as
+    gguf-split writes them (``<stem>-00001-of-0000N.gguf`` beside ``path``); the first file's path is returned."""
     import gguf
     from gguf import MODEL_TENSOR as T
 
@@ -350,7 +363,11 @@ def write_model(spec: ModelSpec, path: Path, experts: tuple[int, int] | None = N
     mat, norm, bias = weights.mat, weights.norm, weights.bias
 
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    w = gguf.GGUFWriter(str(tmp), spec.arch)
+    if split_max_tensors:  # the writer names its files after the path it is given: a folder of their own
+        tmp.mkdir()
+        w = gguf.GGUFWriter(str(tmp / path.name), spec.arch, split_max_tensors=split_max_tensors)
+    else:
+        w = gguf.GGUFWriter(str(tmp), spec.arch)
     w.add_name(f"pyllama-headinfer test model {spec.name}")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if spec.dtype == "f16" else gguf.LlamaFileType.ALL_F32)
     w.add_context_length(spec.n_ctx_train)
