@@ -1,11 +1,12 @@
 // How fast the CPU's flash attention reads a decoded token's KV, against how much KV it reads: fit (common/fit.cpp)
 // times one layer over 64 MiB of cells; a long context's CPU layers read far more, which a large last-level cache
-// may not hold. Times FLASH_ATTN_EXT at one query row over N_LAYER buffers of N_KV cells each, laid out as the KV
-// cache holds them (a row of every KV head per cell), the 8B shape's heads (32 query heads over 8 KV heads of 128).
+// may not hold. Times FLASH_ATTN_EXT at one query row over N_LAYER buffers of MIB MiB of KV cells each (rounded to
+// 256 cells, as fit rounds), laid out as the KV cache holds them (a row of every KV head per cell), the 8B shape's
+// heads (32 query heads over 8 KV heads of 128).
 //
 //   g++ -O2 -std=c++17 -I LLAMA_SRC/ggml/include scripts/cpu_attn_span.cpp -L BIN -lggml -lggml-base -lggml-cpu
 //       -Wl,-rpath,BIN -o cpu_attn_span          (one line; BIN: a build's bin folder, `scripts/gpu_session.sh OUT cpu-attn`)
-//   ./cpu_attn_span N_KV N_LAYER N_THREADS [f16|q8_0]      (prints the KV bytes per second, best of 3, and each run)
+//   ./cpu_attn_span MIB N_LAYER N_THREADS [f16|q8_0]       (prints the KV bytes per second, best of 3, and each run)
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
@@ -17,18 +18,20 @@
 
 int main(int argc, char ** argv) {
     if (argc < 4) {
-        fprintf(stderr, "usage: %s N_KV N_LAYER N_THREADS [f16|q8_0]\n", argv[0]);
+        fprintf(stderr, "usage: %s MIB N_LAYER N_THREADS [f16|q8_0]\n", argv[0]);
         return 2;
     }
-    const int64_t   n_kv      = atoll(argv[1]);
+    const int64_t   mib       = atoll(argv[1]);
     const int       n_layer   = atoi(argv[2]);
     const int       n_threads = atoi(argv[3]);
     const ggml_type type      = argc > 4 && strcmp(argv[4], "q8_0") == 0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
     const int64_t   head = 128, n_head = 32, n_head_kv = 8;
-    if (n_kv <= 0 || n_layer <= 0 || n_threads <= 0) {
-        fprintf(stderr, "N_KV, N_LAYER and N_THREADS must be positive\n");
+    if (mib <= 0 || n_layer <= 0 || n_threads <= 0) {
+        fprintf(stderr, "MIB, N_LAYER and N_THREADS must be positive\n");
         return 2;
     }
+    const size_t  cell = 2*n_head_kv*ggml_row_size(type, head); // K and V
+    const int64_t n_kv = GGML_PAD(std::max<int64_t>(1, mib*1024*1024 / (int64_t) cell), 256);
 
     ggml_init_params ip = { size_t(n_layer)*8*ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, true };
     ggml_context * ctx = ggml_init(ip);

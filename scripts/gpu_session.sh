@@ -13,7 +13,8 @@
 #   scripts/gpu_session.sh OUTDIR checks  # test-backend-ops for the ops the series touches, test-backend-sched,
 #                                         # test-llama-archs, gpu_check --no-cuda-fusion joined and chunked (~5 min)
 #   scripts/gpu_session.sh OUTDIR perf    # plain FLASH_ATTN_EXT perf, the pin against this series, two passes each
-#                                         # (~2 min a pass on an H100; scripts/gpu_tables.py perf reads it)
+#                                         # (~2 min a pass on an H100, 8 min in all; scripts/gpu_tables.py perf
+#                                         # reads it; HI_PERF_VARIANTS=new runs this series' pass alone)
 #   scripts/gpu_session.sh OUTDIR decode  # the decode table, this series against the series before it, one model,
 #                                         # interleaved, with the host-to-device copy rate before and after (~5 min;
 #                                         # scripts/gpu_tables.py decode reads it)
@@ -134,9 +135,9 @@ checks)  # the checks never run on a GPU before first, then the rest
     ;;
 perf)
     # plain flash attention, decode and prefill shapes of an 8B-shaped model's heads: the series must not change it
-    for v in pin new pin new; do
+    for v in ${HI_PERF_VARIANTS:-pin new pin new}; do
         echo "== $v" >> "$out/fa_perf.txt"
-        timeout 120 "build/cuda-$v/bin/test-backend-ops" perf -o FLASH_ATTN_EXT -b CUDA0 2>&1 | grep -E "FLASH_ATTN_EXT\(" \
+        timeout 240 "build/cuda-$v/bin/test-backend-ops" perf -o FLASH_ATTN_EXT -b CUDA0 2>&1 | grep -E "FLASH_ATTN_EXT\(" \
             >> "$out/fa_perf.txt"
     done
     ;;
@@ -170,7 +171,7 @@ cpu-attn)  # after `build` (this series' ggml): does a span the last-level cache
         -lggml-base -lggml-cpu -Wl,-rpath,"$root/build/cuda-new/bin" -o /tmp/cpu_attn_span || exit 1
     { lscpu | grep -E "Model name|L3|NUMA node\(s\)"
       for type in f16 q8_0; do
-          for span in "16384 1" "32768 1" "32768 8" "131072 1" "131072 4"; do
+          for span in "64 1" "128 1" "128 8" "512 1" "512 4"; do  # MiB a layer, layers
               # shellcheck disable=SC2086
               /tmp/cpu_attn_span $span "$(nproc)" $type
           done

@@ -139,7 +139,7 @@ MOE_CTX = 32768
 @pytest.fixture(scope="module", params=["one file", "split"])
 def moe_model(request, tmp_path_factory) -> Path:
     """8 layers of 8 experts, 1 used per token: 192 of its 198 MiB of weights are experts; 256 MiB of KV at MOE_CTX.
-    In one file, or split as gguf-split splits (9 files of at most 12 tensors: the first holds one layer's experts)."""
+    In one file, or split as gguf-split splits (7 files of at most 12 tensors: the first holds 16 MiB of experts)."""
     spec = dataclasses.replace(with_layers(SPECS["llama-gqa"], 8), name="llama-moe", n_ff=2048, n_ctx_train=MOE_CTX)
     return write_model(spec, tmp_path_factory.mktemp("fit") / f"{spec.name}.gguf", experts=(8, 1),
                        split_max_tensors=12 if request.param == "split" else 0)

@@ -277,22 +277,31 @@ def _tensor_name(kind, bid: int | None = None, suffix: str = "weight") -> str:
 def finish_gguf(writer, tmp: Path, path: Path) -> Path:
     """Write what ``writer`` (a ``gguf.GGUFWriter`` opened on ``tmp``) holds,
     then rename ``tmp`` to ``path``: readers never see half a model. A writer
-    that splits (``split_max_tensors``) writes its files, named as gguf-split
-    names them, in the folder ``tmp``; they are moved beside ``path`` and the
-    first one's path is returned."""
+    that splits (``split_max_tensors``), opened on ``tmp / path.name``, writes
+    its files, named as gguf-split names them, in the folder ``tmp``; they are
+    moved beside ``path``, the first (the one readers open) last, and its path
+    is returned."""
+    split = Path(writer.path).parent == tmp
+    moved: list[Path] = []
     try:
+        if split:
+            tmp.mkdir()
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        if not tmp.is_dir():
+        if not split:
             os.replace(tmp, path)
             return path
         shards = sorted(tmp.iterdir())
-        for shard in shards:
-            os.replace(shard, path.with_name(shard.name))
+        for shard in reversed(shards):
+            moved.append(path.with_name(shard.name))
+            os.replace(shard, moved[-1])
+        moved.clear()
         return path.with_name(shards[0].name)
     finally:
+        for shard in moved:  # a failed move leaves no part of the split model
+            shard.unlink()
         if tmp.is_dir():
             shutil.rmtree(tmp)
         elif tmp.exists():
@@ -364,7 +373,6 @@ def write_model(spec: ModelSpec, path: Path, experts: tuple[int, int] | None = N
 
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     if split_max_tensors:  # the writer names its files after the path it is given: a folder of their own
-        tmp.mkdir()
         w = gguf.GGUFWriter(str(tmp / path.name), spec.arch, split_max_tensors=split_max_tensors)
     else:
         w = gguf.GGUFWriter(str(tmp), spec.arch)
