@@ -188,13 +188,16 @@ def test_fit_weighs_the_cpus_attention_over_the_kv_of_the_layers_it_would_move(r
 
 def test_fit_times_the_cpus_attention_when_it_measures(rpc_build, rpc_endpoint, fit_model, totals):
     """Without --fit-bandwidth fit measures its rates and times the CPU's flash attention over the model's KV shape,
-    and logs both before it compares the answers."""
+    and logs both before it compares the answers. It times the span the context's layers read: layers of n_ctx cells,
+    as many as 1 GiB holds and the model has (here 128 MiB a layer: all 8), not a span a CPU's cache holds."""
     room = (totals["joined 1"] + totals["joined 2"]) // 2
     run = fit_with_room(rpc_build, rpc_endpoint, fit_model, room)
     assert re.search(r"measured bandwidths: device [0-9.]+ GB/s, host to device [0-9.]+ GB/s, system memory [0-9.]+ GB/s",
                      run.stderr), run.stderr[-2000:]
-    timed = re.search(r"timed the CPU's attention at decode: ([0-9.]+) GB/s of KV", run.stderr)
+    timed = re.search(r"timed the CPU's attention at decode: ([0-9.]+) GB/s of KV \((\d+) layers of (\d+) cells\)",
+                      run.stderr)
     assert timed and float(timed.group(1)) > 0, run.stderr[-2000:]
+    assert (int(timed.group(2)), int(timed.group(3))) == (8, N_CTX), timed.group(0)
     from fit_table import answers
 
     assert [a["verdict"] for a in answers(run.stderr)] in (["chose", "rejected"], ["rejected", "chose"]), run.stderr
