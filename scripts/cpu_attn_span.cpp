@@ -1,6 +1,6 @@
 // How fast the CPU's flash attention reads a decoded token's KV, against how much KV it reads: fit (common/fit.cpp)
-// times one layer over 64 MiB of cells; a long context's CPU layers read far more, which a large last-level cache
-// may not hold. Times FLASH_ATTN_EXT at one query row over N_LAYER buffers of MIB MiB of KV cells each (rounded to
+// times layers of the context's cells, up to 1 GiB (it timed one layer's 64 MiB before, which a large last-level
+// cache holds); this compares the two on a machine. Times FLASH_ATTN_EXT at one query row over N_LAYER buffers of MIB MiB of KV cells each (rounded to
 // 256 cells, as fit rounds), laid out as the KV cache holds them (a row of every KV head per cell), the 8B shape's
 // heads (32 query heads over 8 KV heads of 128).
 //

@@ -22,8 +22,8 @@
 #                                         # rows in $HI_FIT_ROWS (CTX:CARD_GIB,...; scripts/fit_table.py), KV type
 #                                         # $HI_FIT_TYPE (f16), the context filled as $HI_FIT_FILL says (bench)
 #   scripts/gpu_session.sh OUTDIR tools   # this series' tools alone (-j 16), for the fit part of the same call
-#   scripts/gpu_session.sh OUTDIR cpu-attn  # the CPU's flash attention at decode over 64 MiB of KV (what fit times)
-#                                         # against spans a long context's CPU layers read (scripts/cpu_attn_span.cpp)
+#   scripts/gpu_session.sh OUTDIR cpu-attn  # the CPU's flash attention at decode over 64 MiB of KV (what fit timed
+#                                         # before) against the spans it times now, up to 2 GiB (scripts/cpu_attn_span.cpp)
 #   scripts/gpu_session.sh OUTDIR serve   # llama-server, 4 slots of 32K cells, one KV stream each, in chunks, and a
 #                                         # context shift: the device buffers against plan's (frac 1 and 0.5)
 #
@@ -166,7 +166,7 @@ fit)  # HI_FIT_FILL: bench or state (scripts/fit_table.py --fill), HI_FIT_TYPE: 
         --log-dir "$out/fit-logs"; } >> "$table" 2>&1
     echo "fit_table exit $?" >> "$table"
     ;;
-cpu-attn)  # after `build` (this series' ggml): does a span the last-level cache cannot hold change fit's timed rate?
+cpu-attn)  # after `build` (this series' ggml): how much faster a span the last-level cache holds is read
     g++ -O2 -std=c++17 -I "$(tree new)/ggml/include" scripts/cpu_attn_span.cpp -L build/cuda-new/bin -lggml \
         -lggml-base -lggml-cpu -Wl,-rpath,"$root/build/cuda-new/bin" -o /tmp/cpu_attn_span || exit 1
     { lscpu | grep -E "Model name|L3|NUMA node\(s\)"

@@ -295,8 +295,9 @@ def finish_gguf(writer, tmp: Path, path: Path) -> Path:
             return path
         shards = sorted(tmp.iterdir())
         for shard in reversed(shards):
-            moved.append(path.with_name(shard.name))
-            os.replace(shard, moved[-1])
+            target = path.with_name(shard.name)
+            os.replace(shard, target)
+            moved.append(target)
         moved.clear()
         return path.with_name(shards[0].name)
     finally:
